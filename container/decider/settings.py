@@ -1,0 +1,157 @@
+"""The container's settings: one typed object, read from the environment.
+
+Every knob of the server and the engine is defined here, once. The CDK stacks build the
+SageMaker model's `Environment` from this class (`Settings.to_environment`), the tools name
+its keys in the deploy hints they print, and the server reads it at start-up. An invalid value
+stops start-up with one clear message (see `decider.cli`).
+
+Environment variables use the prefix `DECIDER_`, e.g. `DECIDER_N_CTX=8192`. The port is the
+exception: SageMaker sets `SAGEMAKER_BIND_TO_PORT`, which wins over `DECIDER_PORT`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "DECIDER_"
+SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
+SAGEMAKER_MAX_BODY_BYTES = 6 * 1024 * 1024
+QuestionType = Literal["noul", "choice", "score"]
+
+
+class Settings(BaseSettings):
+    """Everything the container needs to load one model and serve it."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+        populate_by_name=True,
+    )
+
+    # --- model -------------------------------------------------------------------------
+    model_path: Path = Field(
+        SAGEMAKER_MODEL_DIR,
+        description="A .gguf file, or a directory holding exactly one .gguf "
+        "(or the one named by model_file). SageMaker mounts the model at /opt/ml/model.",
+    )
+    model_file: str | None = Field(
+        None, description="File name of the GGUF inside model_path, when it holds several."
+    )
+    model_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="If set, the GGUF must hash to this value or start-up fails.",
+    )
+    model_alias: str | None = Field(
+        None, description="Name reported in the model id; defaults to the GGUF's general.name."
+    )
+    chat_template_fallback: Literal["chatml", "plain"] = Field(
+        "chatml",
+        description="Template used when the GGUF carries none (base models): ChatML text, "
+        "or a plain 'System:/User:/Assistant:' layout.",
+    )
+
+    # --- llama.cpp context ---------------------------------------------------------------
+    n_ctx: PositiveInt = Field(8192, description="Context size in tokens (KV cells, all sequences).")
+    n_batch: PositiveInt = Field(2048, description="Logical batch: most tokens per llama_decode call.")
+    n_ubatch: PositiveInt = Field(512, description="Physical micro-batch size.")
+    n_seq_max: int = Field(
+        32, ge=1, le=256, description="Most sequences in the context (branches per fan-out decode + 1)."
+    )
+    n_threads: PositiveInt | None = Field(None, description="CPU threads; default: all cores.")
+    n_gpu_layers: int = Field(0, ge=-1, description="Layers offloaded to the GPU; -1 or 999 = all.")
+    flash_attn: bool = Field(False, description="Use flash attention where the backend supports it.")
+
+    # --- decision readout ----------------------------------------------------------------
+    temperature: PositiveFloat = Field(1.0, description="Softmax temperature over the option slots.")
+    temperature_noul: PositiveFloat | None = Field(None, description="Overrides temperature for noul.")
+    temperature_choice: PositiveFloat | None = Field(None, description="Overrides temperature for choice.")
+    temperature_score: PositiveFloat | None = Field(None, description="Overrides temperature for score.")
+    decision_mode: Literal["shared", "fresh"] = Field(
+        "shared", description="shared: prefill the state once and fan out; fresh: one prefill per question."
+    )
+    max_permutations: int = Field(8, ge=1, le=32, description="Largest `permutations` a request may ask for.")
+
+    # --- request limits (each answers a clear 4xx) -----------------------------------------
+    max_body_bytes: int = Field(
+        SAGEMAKER_MAX_BODY_BYTES, ge=1024, le=SAGEMAKER_MAX_BODY_BYTES, description="413 above this."
+    )
+    max_questions: int = Field(64, ge=1, le=1024, description="Questions per decision request.")
+    max_options: int = Field(64, ge=2, le=1024, description="Options per choice, levels per score.")
+    max_state_tokens: PositiveInt = Field(6144, description="Tokens of the state (evidence) alone.")
+    max_chat_tokens: PositiveInt = Field(1024, description="Largest chat max_tokens accepted.")
+
+    # --- admission control ---------------------------------------------------------------
+    queue_size: int = Field(16, ge=0, le=10_000, description="Requests waiting for the model; 429 beyond.")
+    deadline_seconds: float = Field(
+        55.0, gt=0, le=3600, description="Wait plus work budget per request (SageMaker allows 60 s)."
+    )
+    shutdown_grace_seconds: float = Field(
+        25.0, ge=0, le=600, description="On SIGTERM, time given to in-flight requests."
+    )
+
+    # --- HTTP ------------------------------------------------------------------------------
+    host: str = Field("0.0.0.0", description="Bind address.")  # noqa: S104 - container port
+    port: int = Field(
+        8080,
+        ge=1,
+        le=65535,
+        validation_alias=AliasChoices("SAGEMAKER_BIND_TO_PORT", f"{ENV_PREFIX}PORT", "port"),
+        description="Listen port; SageMaker's SAGEMAKER_BIND_TO_PORT wins.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Settings:
+        if self.n_ubatch > self.n_batch:
+            raise ValueError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
+        if self.max_state_tokens >= self.n_ctx:
+            raise ValueError(
+                f"max_state_tokens ({self.max_state_tokens}) must be below n_ctx ({self.n_ctx}), "
+                "so that questions still fit after the state"
+            )
+        return self
+
+    def temperature_for(self, question_type: QuestionType) -> float:
+        """The readout temperature for one question type (its override, else the global one)."""
+        override = getattr(self, f"temperature_{question_type}")
+        return float(override if override is not None else self.temperature)
+
+    def threads(self) -> int:
+        return self.n_threads or max(1, os.cpu_count() or 1)
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        """The environment variable that sets `field`, e.g. `DECIDER_N_CTX` for `n_ctx`."""
+        if field not in cls.model_fields:
+            raise KeyError(f"unknown container setting {field!r}")
+        if field == "port":
+            return "SAGEMAKER_BIND_TO_PORT"
+        return f"{ENV_PREFIX}{field.upper()}"
+
+    def to_environment(self, *, only_set: bool = False) -> dict[str, str]:
+        """The environment that reproduces these settings, as SageMaker's `Environment` map.
+
+        Host and port are left out: SageMaker owns them.
+        """
+        fields = self.model_fields_set if only_set else self.model_fields.keys()
+        env: dict[str, str] = {}
+        for name in sorted(fields):
+            if name in {"host", "port"}:
+                continue
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            else:
+                text = str(value)
+            env[self.env_name(name)] = text
+        return env
