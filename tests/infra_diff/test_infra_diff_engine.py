@@ -1,0 +1,195 @@
+"""The diff engine on hand-built templates shaped like the CDK app's (fast; no synthesis)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from rich.console import Console
+
+from tools.infra_diff.diff import diff_templates, leaf_changes, references
+from tools.infra_diff.render import show_report
+from tools.infra_diff.schemas import create_only_properties, matches
+
+IMAGE_A = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "a" * 64
+IMAGE_B = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "b" * 64
+
+
+def _stack(
+    image: str = IMAGE_A,
+    instance_type: str = "ml.c7i.xlarge",
+    actions: list[str] | None = None,
+    endpoint_name: str = "decider-cpu",
+) -> dict:
+    return {
+        "Resources": {
+            "Role": {
+                "Type": "AWS::IAM::Role",
+                "Properties": {
+                    "AssumeRolePolicyDocument": {
+                        "Statement": [
+                            {
+                                "Effect": "Allow",
+                                "Principal": {"Service": "sagemaker.amazonaws.com"},
+                                "Action": "sts:AssumeRole",
+                            }
+                        ]
+                    }
+                },
+            },
+            "RolePolicy": {
+                "Type": "AWS::IAM::Policy",
+                "Properties": {
+                    "PolicyName": "p",
+                    "Roles": [{"Ref": "Role"}],
+                    "PolicyDocument": {
+                        "Statement": [
+                            {"Effect": "Allow", "Action": actions or ["ecr:BatchGetImage"], "Resource": "*"}
+                        ]
+                    },
+                },
+            },
+            "Model": {
+                "Type": "AWS::SageMaker::Model",
+                "Properties": {
+                    "ExecutionRoleArn": {"Fn::GetAtt": ["Role", "Arn"]},
+                    "PrimaryContainer": {"Image": image, "Environment": {"DECIDER_N_CTX": "8192"}},
+                },
+            },
+            "Config": {
+                "Type": "AWS::SageMaker::EndpointConfig",
+                "Properties": {
+                    "ProductionVariants": [
+                        {
+                            "VariantName": "AllTraffic",
+                            "InstanceType": instance_type,
+                            "InitialInstanceCount": 2,
+                            "ModelName": {"Fn::GetAtt": ["Model", "ModelName"]},
+                        }
+                    ]
+                },
+            },
+            "Alarm": {
+                "Type": "AWS::CloudWatch::Alarm",
+                "Properties": {"MetricName": "Invocation5XXErrors", "Threshold": 1},
+            },
+            "Endpoint": {
+                "Type": "AWS::SageMaker::Endpoint",
+                "Properties": {
+                    "EndpointName": endpoint_name,
+                    "EndpointConfigName": {"Fn::GetAtt": ["Config", "EndpointConfigName"]},
+                    "DeploymentConfig": {
+                        "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": {"Ref": "Alarm"}}]}
+                    },
+                },
+            },
+        },
+        "Parameters": {"BootstrapVersion": {"Type": "AWS::SSM::Parameter::Value<String>"}},
+    }
+
+
+def _by_id(report):
+    return {c.logical_id: c for c in report.resources}
+
+
+def test_schemas_from_cfn_lint_know_sagemaker_create_only_properties():
+    assert ("ProductionVariants",) in create_only_properties("AWS::SageMaker::EndpointConfig")
+    assert ("PrimaryContainer",) in create_only_properties("AWS::SageMaker::Model")
+    assert create_only_properties("AWS::SageMaker::Endpoint") == (("EndpointName",),)
+    assert create_only_properties("Custom::ImageBuild") == (("ServiceToken",),)  # cfn-lint generic schema
+    assert matches(("ProductionVariants",), ("ProductionVariants", 0, "InstanceType"))
+    assert matches(("A", "*", "B"), ("A", 3, "B")) and not matches(("A", "*", "B"), ("A", 3, "C"))
+
+
+def test_identical_templates_have_no_changes():
+    report = diff_templates({"CpuStack": _stack()}, {"CpuStack": copy.deepcopy(_stack())})
+    assert not report.has_changes
+
+
+def test_new_image_replaces_model_and_config_and_updates_endpoint_in_place():
+    report = diff_templates({"CpuStack": _stack()}, {"CpuStack": _stack(image=IMAGE_B)})
+    changes = _by_id(report)
+    assert set(changes) == {"Model", "Config", "Endpoint"}
+    assert changes["Model"].action == "replace"
+    assert (
+        changes["Model"].changes[0].path == "PrimaryContainer.Image" and changes["Model"].changes[0].replaces
+    )
+    assert changes["Config"].action == "replace"
+    assert changes["Config"].reasons == [
+        "ProductionVariants[0].ModelName references Model, which is replaced"
+    ]
+    assert "blue/green" in changes["Config"].note
+    assert changes["Endpoint"].action == "modify"
+    assert "UpdateEndpoint" in changes["Endpoint"].note
+    assert not report.iam_changes
+
+
+def test_instance_type_change_is_a_config_replacement_only():
+    report = diff_templates({"S": _stack()}, {"S": _stack(instance_type="ml.c7i.2xlarge")})
+    changes = _by_id(report)
+    assert changes["Config"].action == "replace"
+    assert changes["Config"].changes[0].path == "ProductionVariants[0].InstanceType"
+    assert changes["Endpoint"].action == "modify" and "Model" not in changes
+
+
+def test_endpoint_name_change_is_an_endpoint_replacement():
+    report = diff_templates({"S": _stack()}, {"S": _stack(endpoint_name="decider-cpu-2")})
+    [endpoint] = report.replacements
+    assert endpoint.logical_id == "Endpoint" and "ENDPOINT REPLACED" in endpoint.note
+
+
+def test_iam_statement_changes_are_called_out():
+    report = diff_templates({"S": _stack()}, {"S": _stack(actions=["ecr:BatchGetImage", "s3:GetObject"])})
+    [policy] = report.iam_changes
+    assert policy.logical_id == "RolePolicy" and policy.action == "modify"
+    assert policy.policy_statements == [
+        '- Allow ["ecr:BatchGetImage"] on *',
+        '+ Allow ["ecr:BatchGetImage","s3:GetObject"] on *',
+    ]
+
+
+def test_added_removed_resources_and_sections():
+    new = _stack()
+    del new["Resources"]["Alarm"]
+    new["Resources"]["Bucket"] = {"Type": "AWS::S3::Bucket", "Properties": {}}
+    new["Outputs"] = {"EndpointName": {"Value": "decider-cpu"}}
+    report = diff_templates({"S": _stack(), "Old": {"Resources": {}}}, {"S": new, "New": {"Resources": {}}})
+    changes = _by_id(report)
+    assert changes["Alarm"].action == "remove" and changes["Bucket"].action == "add"
+    assert report.stacks_added == ["New"] and report.stacks_removed == ["Old"]
+    assert [(s.section, s.key, s.action) for s in report.sections] == [("Outputs", "EndpointName", "add")]
+
+
+def test_updated_custom_resource_attribute_may_replace_dependents():
+    old = _stack()
+    old["Resources"]["ImageBuild"] = {"Type": "Custom::ImageBuild", "Properties": {"SourceHash": "a" * 64}}
+    old["Resources"]["Model"]["Properties"]["PrimaryContainer"]["Image"] = {
+        "Fn::GetAtt": ["ImageBuild", "ImageUri"]
+    }
+    new = copy.deepcopy(old)
+    new["Resources"]["ImageBuild"]["Properties"]["SourceHash"] = "c" * 64
+    changes = _by_id(diff_templates({"S": old}, {"S": new}))
+    assert changes["ImageBuild"].action == "modify"
+    assert "asset hash changed" in changes["ImageBuild"].changes[0].note  # shown plainly, never masked
+    assert changes["Model"].may_replace and changes["Config"].may_replace
+    assert changes["Endpoint"].action == "modify"
+
+
+def test_helpers():
+    assert list(leaf_changes({"a": [1, 2]}, {"a": [1, 3]})) == [(("a", 1), 2, 3)]
+    assert list(leaf_changes({"a": [1]}, {"a": [1, 2]})) == [(("a",), [1], [1, 2])]
+    assert references({"Fn::Sub": "arn:${AWS::Partition}:s3:::${Bucket}/${Role.Arn}"}) == {
+        ("Bucket", "Ref"),
+        ("Role", "GetAtt"),
+    }
+
+
+def test_rendered_report_names_replacements_and_iam():
+    report = diff_templates({"CpuStack": _stack()}, {"CpuStack": _stack(image=IMAGE_B, actions=["s3:*"])})
+    console = Console(record=True, width=200)
+    show_report(console, report, title="t")
+    text = console.export_text()
+    assert "REPLACE CpuStack/Config (AWS::SageMaker::EndpointConfig)" in text
+    assert "REPLACE CpuStack/Model" in text and "IAM modify CpuStack/RolePolicy" in text
+    assert IMAGE_A in text and IMAGE_B in text
+    json.dumps(report.to_json())

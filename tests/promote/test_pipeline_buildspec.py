@@ -1,0 +1,53 @@
+"""The CI example runs its stages in the promised order and uses only commands that exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from tools.infra_diff.cli import build_parser as infra_diff_parser
+from tools.promote.cli import build_parser as promote_parser
+
+PIPELINE = Path(__file__).resolve().parents[2] / "buildspec" / "pipeline.yml"
+
+
+def _commands() -> list[str]:
+    spec = yaml.safe_load(PIPELINE.read_text())
+    assert spec["version"] == 0.2
+    return [
+        c
+        for phase in ("install", "pre_build", "build", "post_build")
+        for c in spec["phases"][phase]["commands"]
+    ]
+
+
+def test_stages_run_in_order():
+    text = "\n".join(_commands())
+    steps = [
+        "make test",
+        "npx cdk synth",
+        "infra-diff --base",
+        "build_image cpu",
+        "build_image cuda",
+        "promote_variant CpuStack",
+        "promote_variant GpuStack",
+    ]
+    positions = [text.index(step) for step in steps]
+    assert positions == sorted(positions)
+    function = text[text.index("promote_variant() {") :]
+    inner = ["promote plan", "npx cdk deploy", "promote smoke"]
+    assert [function.index(s) for s in inner] == sorted(function.index(s) for s in inner)
+
+
+def test_pipeline_uses_existing_subcommands_and_flags():
+    text = "\n".join(_commands())
+    promote_commands = set(promote_parser()._subparsers._group_actions[0].choices)
+    for line in text.splitlines():
+        if "bin/promote " in line:
+            assert line.split("bin/promote ")[1].split()[0] in promote_commands
+    infra_flags = {opt for action in infra_diff_parser()._actions for opt in action.option_strings}
+    for line in text.splitlines():
+        if "bin/infra-diff " in line:
+            used = [word for word in line.split() if word.startswith("-") and not word.startswith("->")]
+            assert set(used) <= infra_flags | {">", "&&"}, line

@@ -1,0 +1,76 @@
+"""prune deletes only unused promote-created configs/models, never the live one or the rollback target."""
+
+from __future__ import annotations
+
+from promote_constants import IMAGE_A, REPO
+
+from tools.promote import cli
+from tools.promote.errors import EXIT_OK
+
+FAST = ["--poll-seconds", "0", "--timeout-minutes", "1", "--skip-smoke"]
+
+
+def _image(char: str) -> str:
+    return f"{REPO}@sha256:{char * 64}"
+
+
+def _promote_three_times(aws) -> list[str]:
+    """Returns the configs in promotion order: B, C, D (D live, C rollback target)."""
+    aws.create_endpoint("decider-cpu", image=IMAGE_A)
+    aws.create_alarm("a")
+    configs = []
+    for char in "bcd":
+        assert (
+            cli.main(["apply", "--endpoint", "decider-cpu", "--image", _image(char), "--alarm", "a", *FAST])
+            == 0
+        )
+        configs.append(aws.endpoint("decider-cpu")["EndpointConfigName"])
+    return configs
+
+
+def _names(aws):
+    configs = {c["EndpointConfigName"] for c in aws.sagemaker.list_endpoint_configs()["EndpointConfigs"]}
+    models = {m["ModelName"] for m in aws.sagemaker.list_models()["Models"]}
+    return configs, models
+
+
+def _model_of(aws, config):
+    return aws.sagemaker.describe_endpoint_config(EndpointConfigName=config)["ProductionVariants"][0][
+        "ModelName"
+    ]
+
+
+def test_prune_keeps_live_and_rollback_target(aws, capsys):
+    config_b, config_c, config_d = _promote_three_times(aws)
+    model_b, model_c, model_d = (_model_of(aws, c) for c in (config_b, config_c, config_d))
+
+    assert cli.main(["prune", "--endpoint", "decider-cpu", "--keep", "0"]) == EXIT_OK
+    configs, models = _names(aws)
+    assert configs == {"decider-cpu-config-0", config_c, config_d}  # config-0 was never promote's to delete
+    assert models == {"decider-cpu-model-0", model_c, model_d}
+    assert model_b not in models
+    out = capsys.readouterr().out
+    assert "rollback target" in out and "in use" in out
+
+    # the rollback target still works after pruning
+    assert cli.main(["rollback", "--endpoint", "decider-cpu", *FAST]) == EXIT_OK
+    assert aws.endpoint("decider-cpu")["EndpointConfigName"] == config_c
+
+
+def test_prune_keep_n_and_dry_run(aws):
+    config_b, _, _ = _promote_three_times(aws)
+    before = _names(aws)
+    assert cli.main(["prune", "--endpoint", "decider-cpu", "--keep", "0", "--dry-run"]) == EXIT_OK
+    assert _names(aws) == before
+    assert cli.main(["prune", "--endpoint", "decider-cpu", "--keep", "1"]) == EXIT_OK
+    assert _names(aws) == before  # B is the one unused config and --keep 1 keeps it
+    assert config_b in _names(aws)[0]
+
+
+def test_prune_never_deletes_a_config_another_endpoint_runs(aws, capsys):
+    config_b, _, _ = _promote_three_times(aws)
+    aws.sagemaker.create_endpoint(EndpointName="decider-cpu-shadow", EndpointConfigName=config_b)
+    assert cli.main(["prune", "--endpoint", "decider-cpu", "--keep", "0"]) == EXIT_OK
+    configs, models = _names(aws)
+    assert config_b in configs and _model_of(aws, config_b) in models
+    assert "in use by endpoint decider-cpu-shadow" in capsys.readouterr().out

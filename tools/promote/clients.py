@@ -1,0 +1,75 @@
+"""boto3 clients with retry settings shared by every command.
+
+botocore reads `AWS_ENDPOINT_URL` (and `AWS_ENDPOINT_URL_<SERVICE>`) itself since 1.31.x, so pointing
+`promote` at a local emulator needs no flag; `endpoint_summary()` reports where calls go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import boto3
+import botocore.loaders
+import botocore.session
+from botocore.config import Config
+from botocore.exceptions import NoRegionError, ProfileNotFound
+
+from tools.promote.errors import PromoteError
+
+# Adaptive mode adds client-side rate limiting on top of standard retries (throttling, 5xx, timeouts).
+CONTROL_PLANE_CONFIG = Config(
+    retries={"mode": "adaptive", "max_attempts": 8},
+    connect_timeout=10,
+    read_timeout=60,
+    user_agent_extra="promote/0.1",
+)
+# InvokeEndpoint must answer within 60 s (SageMaker limit); keep the socket open a bit longer.
+RUNTIME_CONFIG = Config(
+    retries={"mode": "standard", "max_attempts": 3},
+    connect_timeout=10,
+    read_timeout=70,
+    user_agent_extra="promote/0.1",
+)
+
+
+@cache
+def _shared_loader() -> botocore.loaders.Loader:
+    """One service-model loader per process: the SageMaker model is large and `main()` may run many times."""
+    return botocore.loaders.create_loader()
+
+
+@dataclass(frozen=True)
+class AwsClients:
+    sagemaker: Any
+    runtime: Any
+    cloudwatch: Any
+    region: str
+
+    def endpoint_summary(self) -> str:
+        return f"region {self.region}, SageMaker API {self.sagemaker.meta.endpoint_url}"
+
+
+def make_clients(region: str | None, profile: str | None) -> AwsClients:
+    """Build the three clients from one session; errors become PromoteError with a hint."""
+    try:
+        core = botocore.session.Session(profile=profile)
+        core.register_component("data_loader", _shared_loader())
+        session = boto3.Session(botocore_session=core, region_name=region)
+        if not session.region_name:
+            raise PromoteError(
+                "no_region",
+                "no AWS region configured",
+                hint="pass --region or set AWS_REGION / AWS_DEFAULT_REGION",
+            )
+        return AwsClients(
+            sagemaker=session.client("sagemaker", config=CONTROL_PLANE_CONFIG),
+            runtime=session.client("sagemaker-runtime", config=RUNTIME_CONFIG),
+            cloudwatch=session.client("cloudwatch", config=CONTROL_PLANE_CONFIG),
+            region=session.region_name,
+        )
+    except ProfileNotFound as exc:
+        raise PromoteError("profile_not_found", str(exc), hint="check --profile / AWS_PROFILE") from exc
+    except NoRegionError as exc:
+        raise PromoteError("no_region", str(exc)) from exc
