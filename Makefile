@@ -2,6 +2,8 @@
 # and `make test`. Everything else is a convenience over the same .venv.
 
 SHELL := /bin/bash
+# jsii (aws-cdk-lib) prints a banner about Node 20 on every import; it is noise here.
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

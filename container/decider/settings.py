@@ -50,7 +50,9 @@ class Settings(BaseSettings):
         description="If set, the GGUF must hash to this value or start-up fails.",
     )
     model_alias: str | None = Field(
-        None, description="Name reported in the model id; defaults to the GGUF's general.name."
+        None,
+        description="Name in the served model id (<name>@<sha256[:12]>+<quant>); "
+        "defaults to the GGUF file name without its quantization suffix.",
     )
     chat_template_fallback: Literal["chatml", "plain"] = Field(
         "chatml",
@@ -141,7 +143,7 @@ class Settings(BaseSettings):
 
         Host and port are left out: SageMaker owns them.
         """
-        fields = self.model_fields_set if only_set else self.model_fields.keys()
+        fields = self.model_fields_set if only_set else type(self).model_fields.keys()
         env: dict[str, str] = {}
         for name in sorted(fields):
             if name in {"host", "port"}:

@@ -1,0 +1,71 @@
+"""Builds the CDK app: config → ImageStack, CpuStack, GpuStack, with cdk-nag validation.
+
+`app.py` (the `cdk` CLI entry point) and `stacks.synth.synthesize` (tools and tests) both call
+`build_app`, so the CLI and in-process synths produce the same templates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aws_cdk import App, Environment, Stack, Validations
+from cdk_nag import AwsSolutionsChecks
+
+from stacks.config import AppConfig, load_config
+from stacks.endpoint_stack import EndpointStack
+from stacks.image_stack import ImageStack
+
+STACK_IDS = ("ImageStack", "CpuStack", "GpuStack")
+
+
+@dataclass
+class DeciderApp:
+    app: App
+    config: AppConfig
+    image: ImageStack
+    cpu: EndpointStack
+    gpu: EndpointStack
+
+    @property
+    def stacks(self) -> dict[str, Stack]:
+        return {"ImageStack": self.image, "CpuStack": self.cpu, "GpuStack": self.gpu}
+
+
+def build_app(app: App | None = None, *, nag: bool = True) -> DeciderApp:
+    """Create the three stacks in `app` (default: a fresh App reading the CLI's context).
+
+    The config is validated first; a bad value raises `stacks.config.ConfigError` before any
+    construct exists. Stacks are environment-agnostic unless `account`/`region` are configured,
+    so synth never needs credentials and never looks anything up.
+    """
+    app = app or App()
+    context: Mapping[str, Any] = app.node.get_all_context()
+    config = load_config(context)
+    env = (
+        Environment(account=config.account, region=config.region) if config.account or config.region else None
+    )
+    description = "decider: typed decisions and chat from one GGUF on SageMaker"
+    image = ImageStack(app, "ImageStack", config=config, env=env, description=f"{description} (shared build)")
+    cpu = EndpointStack(
+        app,
+        "CpuStack",
+        config=config,
+        variant=config.cpu,
+        image_stack=image,
+        env=env,
+        description=f"{description} (CPU endpoint)",
+    )
+    gpu = EndpointStack(
+        app,
+        "GpuStack",
+        config=config,
+        variant=config.gpu,
+        image_stack=image,
+        env=env,
+        description=f"{description} (GPU endpoint)",
+    )
+    if nag:
+        Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
+    return DeciderApp(app=app, config=config, image=image, cpu=cpu, gpu=gpu)

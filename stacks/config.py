@@ -1,0 +1,464 @@
+"""Typed, validated configuration of the CDK app: one `VariantConfig` per endpoint.
+
+Values come from the `cdk.json` context (objects `model`, `cpu`, `gpu`, plus a few top-level keys)
+and from `-c` overrides on the command line, which may use dotted keys:
+
+    npx cdk deploy CpuStack -c cpu.instance_type=ml.c7i.2xlarge -c cpu.container.n_ctx=4096
+
+Everything is validated before a single construct is created, so a bad value fails `cdk synth`
+with a message naming the key, not a CloudFormation error half an hour into a deploy.
+
+This module must not import aws_cdk: the tools (promote, infra-diff) import it to print hints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from decider.settings import Settings
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+VariantName = Literal["cpu", "gpu"]
+VARIANTS: tuple[VariantName, ...] = ("cpu", "gpu")
+# The context keys this app owns; every other context key (CDK feature flags, …) is left alone.
+ROOT_KEYS = ("project", "model", "cpu", "gpu", "image_uri", "model_s3_uri", "account", "region")
+
+IMAGE_URI_RE = re.compile(
+    r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9\-]+)\.amazonaws\.com(?:\.cn)?"
+    r"/(?P<repository>[a-z0-9][a-z0-9._\-/]*)@(?P<digest>sha256:[0-9a-f]{64})$"
+)
+S3_PREFIX_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<prefix>(?:[^/]+/)+)$")
+INSTANCE_TYPE_RE = re.compile(r"^ml\.(?P<family>[a-z0-9\-]+)\.(?P<size>[a-z0-9]+)$")
+ENDPOINT_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+
+# Instance families with accelerators (GPU, Inferentia, Trainium) vs. plain CPU families.
+GPU_FAMILIES = frozenset(
+    {"g4dn", "g5", "g6", "g6e", "g7e", "p3", "p4d", "p4de", "p5", "p5e", "p5en", "p6-b200"}
+)
+ACCELERATOR_FAMILIES = GPU_FAMILIES | frozenset({"inf1", "inf2", "trn1", "trn1n", "trn2"})
+# Families whose storage is local NVMe instance storage: CreateEndpointConfig rejects KmsKeyId on them.
+NVME_FAMILIES = GPU_FAMILIES | frozenset({"inf2", "trn1", "trn1n", "trn2"})
+INFERENCE_AMI_VERSIONS = (
+    "al2-ami-sagemaker-inference-gpu-2",
+    "al2-ami-sagemaker-inference-gpu-2-1",
+    "al2-ami-sagemaker-inference-gpu-3-1",
+)
+# CloudWatch Logs' allowed retention periods, in the order of aws_logs.RetentionDays.
+LOG_RETENTION_DAYS = (
+    1,
+    3,
+    5,
+    7,
+    14,
+    30,
+    60,
+    90,
+    120,
+    150,
+    180,
+    365,
+    400,
+    545,
+    731,
+    1096,
+    1827,
+    2192,
+    2557,
+    2922,
+    3288,
+    3653,
+)
+
+
+class ConfigError(ValueError):
+    """The app's configuration is invalid; the message lists every problem, one per line."""
+
+
+def instance_family(instance_type: str) -> str:
+    match = INSTANCE_TYPE_RE.match(instance_type)
+    if not match:
+        raise ValueError(f"{instance_type!r} is not a SageMaker instance type like ml.c7i.xlarge")
+    return match["family"]
+
+
+def has_accelerator(instance_type: str) -> bool:
+    return instance_family(instance_type) in ACCELERATOR_FAMILIES
+
+
+def supports_volume_kms(instance_type: str) -> bool:
+    """False for instance types with NVMe instance storage, which reject an endpoint-config KmsKeyId.
+
+    Besides the accelerator families, every family with a `d` after its generation (c5d, m6id, …)
+    has local NVMe storage.
+    """
+    family = instance_family(instance_type)
+    if family in NVME_FAMILIES:
+        return False
+    return not re.fullmatch(r"[a-z]+\d+[a-z]*d[a-z]*", family)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelArtifact(_Strict):
+    """The pinned GGUF that the model-staging build copies from Hugging Face into the artifacts bucket."""
+
+    repository: str = Field(pattern=r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$", description="Hugging Face repository.")
+    revision: str = Field(pattern=r"^[0-9a-f]{40}$", description="Commit sha of the repository (immutable).")
+    file: str = Field(pattern=r"^[\w.\-]+\.gguf$", description="GGUF file name in the repository.")
+    size_bytes: int = Field(gt=0, description="Exact file size; checked before hashing.")
+    sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="Full sha256 of the file; checked by the build."
+    )
+
+    @property
+    def s3_prefix(self) -> str:
+        """Where the staged model lives in the artifacts bucket: immutable, one GGUF per prefix."""
+        return f"models/{self.repository}/{self.revision}/{self.sha256[:12]}/"
+
+    @property
+    def download_url(self) -> str:
+        return f"https://huggingface.co/{self.repository}/resolve/{self.revision}/{self.file}"
+
+
+class DeploymentConfig(_Strict):
+    """Blue/green update policy of the endpoint (applies when the endpoint config changes)."""
+
+    traffic_routing: Literal["CANARY", "LINEAR", "ALL_AT_ONCE"] = Field(
+        "CANARY", description="How traffic moves to the new fleet."
+    )
+    step_instance_count: int = Field(
+        1, ge=1, description="Instances in the canary (CANARY) or in each step (LINEAR)."
+    )
+    wait_interval_s: int = Field(600, ge=0, le=3600, description="Baking time between traffic steps.")
+    termination_wait_s: int = Field(
+        300, ge=0, le=3600, description="Final baking time before the old fleet is terminated."
+    )
+    maximum_execution_timeout_s: int = Field(
+        7200, ge=600, le=28800, description="Upper bound for the whole deployment."
+    )
+
+
+class AlarmConfig(_Strict):
+    """Thresholds of the alarms that roll a deployment back (and page you afterwards)."""
+
+    error_5xx_count: int = Field(
+        1, ge=1, description="Invocation5XXErrors per minute that trips the alarm (2 of 3 minutes)."
+    )
+    latency_p90_ms: int = Field(
+        20_000, ge=1, le=600_000, description="ModelLatency p90 in ms that trips the alarm (2 of 3 minutes)."
+    )
+
+
+class DataCaptureConfig(_Strict):
+    enabled: bool = Field(False, description="Capture requests and responses to the artifacts bucket.")
+    sampling_percentage: int = Field(10, ge=1, le=100, description="Share of requests captured.")
+
+
+class ImageBuildConfig(_Strict):
+    compute_type: Literal[
+        "BUILD_GENERAL1_MEDIUM", "BUILD_GENERAL1_LARGE", "BUILD_GENERAL1_XLARGE", "BUILD_GENERAL1_2XLARGE"
+    ] = Field("BUILD_GENERAL1_LARGE", description="CodeBuild compute for this variant's image build.")
+    timeout_minutes: int = Field(
+        90, ge=10, le=110, description="Build timeout (the deploy waits at most 2 h)."
+    )
+    build_args: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra `docker build --build-arg`s, e.g. a base-image mirror "
+        "(PYTHON_IMAGE=public.ecr.aws/docker/library/python:…); part of the image tag.",
+    )
+
+    @field_validator("build_args")
+    @classmethod
+    def _build_args(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, arg in value.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or name == "VARIANT":
+                raise ValueError(f"{name!r} is not a usable build argument name (VARIANT is set per variant)")
+            if not isinstance(arg, str) or "\n" in arg:
+                raise ValueError(f"{name}: value must be a single-line string")
+        return dict(sorted(value.items()))
+
+
+class VariantConfig(_Strict):
+    """Everything that differs between the CPU and the GPU endpoint."""
+
+    name: VariantName
+    endpoint_name: str = Field(description="Stable endpoint name (configs get generated names).")
+    instance_type: str = Field(description="SageMaker hosting instance type.")
+    initial_instance_count: int = Field(
+        2, ge=1, le=100, description="Instances when the endpoint is created."
+    )
+    min_capacity: int = Field(2, ge=1, le=100, description="Autoscaling lower bound.")
+    max_capacity: int = Field(4, ge=1, le=100, description="Autoscaling upper bound.")
+    autoscaling: bool = Field(
+        True,
+        description="Register the variant with Application Auto Scaling (turn off to change instance type).",
+    )
+    target_invocations_per_instance: int = Field(
+        60, ge=1, description="Target tracking on SageMakerVariantInvocationsPerInstance (per minute)."
+    )
+    scale_in_cooldown_s: int = Field(600, ge=0, le=3600, description="Wait after a scale-in.")
+    scale_out_cooldown_s: int = Field(120, ge=0, le=3600, description="Wait after a scale-out.")
+    container_startup_health_check_timeout_s: int = Field(
+        900, ge=60, le=3600, description="Time for /ping to turn 200 after the container starts."
+    )
+    model_data_download_timeout_s: int = Field(
+        900, ge=60, le=3600, description="Time to copy the model prefix to the instance."
+    )
+    volume_kms: bool | None = Field(
+        None,
+        description="Encrypt the instance's ML storage volume with a customer key; default: "
+        "yes where the instance type allows it (not on NVMe types such as g5/g6).",
+    )
+    inference_ami_version: str | None = Field(
+        None, description="GPU driver AMI (GPU only), e.g. al2-ami-sagemaker-inference-gpu-3-1."
+    )
+    network_isolation: bool = Field(True, description="No outbound network from the container.")
+    log_retention_days: int = Field(
+        30, description="Log retention of the endpoint (ImageStack's build logs use cpu's value)."
+    )
+    image_uri: str | None = Field(
+        None, description="Prebuilt image <repo>@sha256:<digest>: skips the build. Global key: image_uri."
+    )
+    model_s3_uri: str | None = Field(
+        None, description="Prebuilt model prefix s3://bucket/prefix/: skips staging. Global: model_s3_uri."
+    )
+    image_build: ImageBuildConfig = ImageBuildConfig()
+    deployment: DeploymentConfig = DeploymentConfig()
+    alarms: AlarmConfig = AlarmConfig()
+    data_capture: DataCaptureConfig = DataCaptureConfig()
+    container: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Container settings (decider.settings.Settings field names), validated by Settings.",
+    )
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name == "gpu"
+
+    @property
+    def build_variant(self) -> Literal["cpu", "cuda"]:
+        """The Dockerfile's VARIANT build argument."""
+        return "cuda" if self.is_gpu else "cpu"
+
+    @property
+    def encrypt_volume(self) -> bool:
+        return supports_volume_kms(self.instance_type) if self.volume_kms is None else self.volume_kms
+
+    @field_validator("endpoint_name")
+    @classmethod
+    def _endpoint_name(cls, value: str) -> str:
+        if not ENDPOINT_NAME_RE.match(value):
+            raise ValueError("must be 1-63 letters, digits or hyphens, starting with a letter or digit")
+        return value
+
+    @field_validator("instance_type")
+    @classmethod
+    def _instance_type(cls, value: str) -> str:
+        instance_family(value)
+        return value
+
+    @field_validator("log_retention_days")
+    @classmethod
+    def _retention(cls, value: int) -> int:
+        if value not in LOG_RETENTION_DAYS:
+            raise ValueError(f"must be one of the CloudWatch Logs retention periods {LOG_RETENTION_DAYS}")
+        return value
+
+    @field_validator("image_uri")
+    @classmethod
+    def _image_uri(cls, value: str | None) -> str | None:
+        if value is not None and not IMAGE_URI_RE.match(value):
+            raise ValueError(
+                f"{value!r} must be a private ECR image referenced by digest, "
+                "<account>.dkr.ecr.<region>.amazonaws.com/<repository>@sha256:<64 hex digits> "
+                "(tags are mutable: SageMaker must run exactly the image that was tested)"
+            )
+        return value
+
+    @field_validator("model_s3_uri")
+    @classmethod
+    def _model_s3_uri(cls, value: str | None) -> str | None:
+        if value is not None and not S3_PREFIX_RE.match(value):
+            raise ValueError(
+                f"{value!r} must be an S3 prefix ending in '/', e.g. s3://my-bucket/models/qwen/ "
+                "(SageMaker copies the uncompressed prefix to /opt/ml/model)"
+            )
+        return value
+
+    @field_validator("container")
+    @classmethod
+    def _container(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            Settings.model_validate(value)
+        except ValidationError as error:
+            details = "; ".join(
+                ".".join(str(p) for p in item["loc"]) + ": " + item["msg"].removeprefix("Value error, ")
+                if item["loc"]
+                else item["msg"].removeprefix("Value error, ")
+                for item in error.errors()
+            )
+            raise ValueError(f"invalid container setting(s): {details}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _consistency(self) -> VariantConfig:
+        problems: list[str] = []
+        accelerated = has_accelerator(self.instance_type)
+        if self.is_gpu and not accelerated:
+            problems.append(
+                f"instance_type: {self.instance_type} has no GPU; "
+                "the gpu variant needs one (e.g. ml.g6.xlarge)"
+            )
+        if not self.is_gpu and accelerated:
+            problems.append(
+                f"instance_type: {self.instance_type} is a GPU/accelerator type, but the cpu variant runs a "
+                "CPU-only image; use a CPU type such as ml.c7i.xlarge, or deploy GpuStack"
+            )
+        if self.inference_ami_version is not None:
+            if not self.is_gpu:
+                problems.append("inference_ami_version: only applies to the gpu variant")
+            elif self.inference_ami_version not in INFERENCE_AMI_VERSIONS:
+                problems.append(f"inference_ami_version: must be one of {INFERENCE_AMI_VERSIONS}")
+        if self.volume_kms and not supports_volume_kms(self.instance_type):
+            problems.append(
+                f"volume_kms: {self.instance_type} has NVMe instance storage, which SageMaker always "
+                "encrypts itself and which rejects a KmsKeyId"
+            )
+        if self.min_capacity > self.max_capacity:
+            problems.append(
+                f"min_capacity: {self.min_capacity} must not exceed max_capacity ({self.max_capacity})"
+            )
+        elif not self.min_capacity <= self.initial_instance_count <= self.max_capacity:
+            problems.append(
+                f"initial_instance_count: {self.initial_instance_count} must lie within "
+                f"min_capacity..max_capacity ({self.min_capacity}..{self.max_capacity})"
+            )
+        step = self.deployment.step_instance_count
+        if self.deployment.traffic_routing != "ALL_AT_ONCE" and step * 2 > self.min_capacity:
+            problems.append(
+                f"deployment.step_instance_count: {step} must be at most half of min_capacity "
+                f"({self.min_capacity}): SageMaker rejects a {self.deployment.traffic_routing} step "
+                "above 50% "
+                "of the fleet. Raise min_capacity/initial_instance_count or use "
+                "deployment.traffic_routing=ALL_AT_ONCE (still blue/green with alarm rollback)"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+class AppConfig(_Strict):
+    """The whole app: the pinned model and the two endpoint variants."""
+
+    project: str = Field("decider", pattern=r"^[a-z][a-z0-9\-]{1,20}$", description="Name prefix.")
+    account: str | None = Field(None, pattern=r"^\d{12}$", description="Pins the stacks to an account.")
+    region: str | None = Field(None, pattern=r"^[a-z]{2}(-[a-z]+)+-\d$", description="Pins the region.")
+    model: ModelArtifact
+    cpu: VariantConfig
+    gpu: VariantConfig
+
+    def variant(self, name: VariantName) -> VariantConfig:
+        return self.cpu if name == "cpu" else self.gpu
+
+
+def container_settings(variant: VariantConfig, model: ModelArtifact) -> Settings:
+    """The container's settings for one variant: the pinned model's file and hash, then the overrides.
+
+    With a prebuilt model (`model_s3_uri`), the pinned model's name and hash do not apply; the
+    container then takes the single GGUF in the prefix unless `container.model_file` names one.
+    """
+    pinned: dict[str, Any] = {}
+    if variant.model_s3_uri is None:
+        pinned = {"model_file": model.file, "model_sha256": model.sha256}
+    # model_validate, not Settings(...): the synth machine's DECIDER_* variables must not leak in.
+    return Settings.model_validate({**pinned, **variant.container})
+
+
+def container_environment(variant: VariantConfig, model: ModelArtifact) -> dict[str, str]:
+    """`CfnModel.Environment`: every container setting spelled out, names from decider.settings."""
+    return container_settings(variant, model).to_environment()
+
+
+def _parse_scalar(text: Any) -> Any:
+    """`-c` values arrive as strings; JSON-looking ones (numbers, true/false, null, objects) are decoded."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parents[: i + 1])}: is not an object, cannot set {dotted}")
+        node = child
+    node[leaf] = value
+
+
+def merge_context(context: Mapping[str, Any]) -> dict[str, Any]:
+    """The raw config tree: our root keys from the context, with dotted `-c` keys applied on top.
+
+    Global `image_uri` / `model_s3_uri` apply to both variants unless a variant sets its own.
+    """
+    tree: dict[str, Any] = {}
+    for key in ROOT_KEYS:
+        if key in context:
+            value = _parse_scalar(context[key])
+            tree[key] = json.loads(json.dumps(value))  # deep copy, JSON types only
+    dotted = sorted(k for k in context if "." in k and k.split(".", 1)[0] in ROOT_KEYS)
+    for key in dotted:
+        _set_dotted(tree, key, _parse_scalar(context[key]))
+    for global_key in ("image_uri", "model_s3_uri"):
+        value = tree.pop(global_key, None)
+        if value is None:
+            continue
+        for name in VARIANTS:
+            variant = tree.setdefault(name, {})
+            if isinstance(variant, dict):
+                variant.setdefault(global_key, value)
+    for name in VARIANTS:
+        if isinstance(tree.get(name), dict):
+            tree[name].setdefault("name", name)
+    return tree
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (check the spelling; see the config table in the README)"
+        elif item["type"] == "missing":
+            message = "required, but not set in cdk.json or with -c"
+        value = item.get("input")
+        shown = ""
+        if item["type"] not in {"missing", "model_type", "value_error"} and not isinstance(value, dict):
+            shown = f" (got {value!r})"
+        if (item["type"] == "value_error" and "\n" in message) or re.match(r"^[a-z_.]+: ", message):
+            # model-level checks name the field themselves: "instance_type: …"
+            for line in message.splitlines():
+                field, _, text = line.partition(": ")
+                lines.append(f"  {location}.{field}: {text}" if location else f"  {line}")
+            continue
+        lines.append(f"  {location or '<root>'}: {message}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(context: Mapping[str, Any]) -> AppConfig:
+    """Validate the app's config from the CDK context; raise ConfigError listing every problem."""
+    tree = merge_context(context)
+    try:
+        return AppConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ConfigError("invalid CDK context configuration:\n" + _format_errors(error)) from None

@@ -1,0 +1,342 @@
+"""The SageMaker real-time endpoint of one variant, on L1 resources.
+
+The alpha L2 has no DeploymentConfig, ModelDataDownloadTimeout or InferenceAmiVersion, so this
+construct wires `CfnModel` → `CfnEndpointConfig` → `CfnEndpoint` itself, plus autoscaling. The
+endpoint keeps its configured name; models and endpoint configs get generated names, so any
+change replaces them and updates the endpoint in place through the blue/green policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aws_cdk import ArnFormat, Aws, Duration, RemovalPolicy, Stack
+from aws_cdk import aws_applicationautoscaling as appscaling
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_sagemaker as sagemaker
+from constructs import Construct
+
+from stacks.common import retention_days
+from stacks.config import VariantConfig
+from stacks.monitoring import VARIANT_NAME, EndpointAlarms
+from stacks.nag import acknowledge
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where the model lives: the URI handed to SageMaker and the bucket/prefix the role may read."""
+
+    s3_uri: str  # may be a token (custom resource output)
+    bucket_name: str
+    prefix: str
+    file: str | None = None  # the one object under the prefix, when known (the pinned model)
+
+
+@dataclass(frozen=True)
+class ImageLocation:
+    """The image by digest and the ECR repository the role may pull from."""
+
+    uri: str  # may be a token (custom resource output)
+    repository_arn: str
+
+
+class ExecutionRole(Construct):
+    """Least privilege: pull this image, read this model prefix, write this endpoint's logs and metrics."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        variant: VariantConfig,
+        image: ImageLocation,
+        model: ModelLocation,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.role = iam.Role(
+            self,
+            "Role",
+            description=f"SageMaker execution role of the {variant.endpoint_name} endpoint",
+            assumed_by=iam.ServicePrincipal(
+                "sagemaker.amazonaws.com", conditions={"StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID}}
+            ),
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="PullImage",
+                actions=[
+                    "ecr:BatchGetImage",
+                    "ecr:GetDownloadUrlForLayer",
+                    "ecr:BatchCheckLayerAvailability",
+                ],
+                resources=[image.repository_arn],
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(sid="EcrLogin", actions=["ecr:GetAuthorizationToken"], resources=["*"])
+        )
+        bucket_arn = Stack.of(self).format_arn(
+            service="s3", region="", account="", resource=model.bucket_name
+        )
+        # The pinned model is one known object; a prebuilt prefix may hold several files.
+        readable = f"{model.prefix}{model.file}" if model.file else f"{model.prefix}*"
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="ReadModel", actions=["s3:GetObject"], resources=[f"{bucket_arn}/{readable}"]
+            )
+        )
+        if not model.file:
+            acknowledge(
+                self.role,
+                f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{model.bucket_name}/{model.prefix}*]",
+                "A prebuilt model prefix (model_s3_uri) may hold several files (GGUF, tokenizer); "
+                "SageMaker copies all of them. The role reads nothing outside that prefix.",
+            )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="ListModel",
+                actions=["s3:ListBucket"],
+                resources=[bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{model.prefix}*"]}},
+            )
+        )
+        log_group_arn = Stack.of(self).format_arn(
+            service="logs",
+            resource="log-group",
+            resource_name=f"/aws/sagemaker/Endpoints/{variant.endpoint_name}",
+            arn_format=ArnFormat.COLON_RESOURCE_NAME,
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="WriteLogs",
+                actions=["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+                resources=[log_group_arn, f"{log_group_arn}:log-stream:*"],
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="WriteMetrics",
+                actions=["cloudwatch:PutMetricData"],
+                resources=["*"],
+                conditions={"StringLike": {"cloudwatch:namespace": ["/aws/sagemaker/*", "AWS/SageMaker"]}},
+            )
+        )
+        acknowledge(
+            self.role,
+            f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:log-group:"
+            f"/aws/sagemaker/Endpoints/{variant.endpoint_name}:log-stream:*]",
+            "SageMaker names one log stream per instance and container at run time; the role writes "
+            "only into this endpoint's log group.",
+        )
+        acknowledge(
+            self.role,
+            "AwsSolutions-IAM5[Resource::*]",
+            "ecr:GetAuthorizationToken has no resource-level permissions; cloudwatch:PutMetricData has "
+            "none either and is limited to SageMaker's namespaces by condition.",
+        )
+
+
+class DeciderEndpoint(Construct):
+    """Model, endpoint config, endpoint with blue/green guardrails, and autoscaling for one variant."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        variant: VariantConfig,
+        image: ImageLocation,
+        model: ModelLocation,
+        environment: dict[str, str],
+        data_capture_bucket: str,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.variant = variant
+        self.execution = ExecutionRole(self, "Execution", variant=variant, image=image, model=model)
+        role = self.execution.role
+
+        # SageMaker creates this log group on first start; owning it here sets its retention.
+        self.log_group = logs.LogGroup(
+            self,
+            "Logs",
+            log_group_name=f"/aws/sagemaker/Endpoints/{variant.endpoint_name}",
+            retention=retention_days(variant.log_retention_days),
+            removal_policy=RemovalPolicy.DESTROY,
+        )
+
+        self.volume_key: kms.Key | None = None
+        if variant.encrypt_volume:
+            self.volume_key = kms.Key(
+                self,
+                "VolumeKey",
+                description=f"Encrypts the ML storage volumes of the {variant.endpoint_name} endpoint",
+                enable_key_rotation=True,
+                removal_policy=RemovalPolicy.DESTROY,
+                pending_window=Duration.days(7),
+            )
+            role.add_to_policy(
+                iam.PolicyStatement(
+                    sid="UseVolumeKey",
+                    actions=[
+                        "kms:Encrypt",
+                        "kms:Decrypt",
+                        "kms:GenerateDataKey",
+                        "kms:CreateGrant",
+                        "kms:DescribeKey",
+                    ],
+                    resources=[self.volume_key.key_arn],
+                )
+            )
+
+        self.model = sagemaker.CfnModel(
+            self,
+            "Model",
+            execution_role_arn=role.role_arn,
+            enable_network_isolation=variant.network_isolation,
+            primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
+                image=image.uri,
+                mode="SingleModel",
+                environment=dict(sorted(environment.items())),
+                model_data_source=sagemaker.CfnModel.ModelDataSourceProperty(
+                    s3_data_source=sagemaker.CfnModel.S3DataSourceProperty(
+                        s3_uri=model.s3_uri, s3_data_type="S3Prefix", compression_type="None"
+                    )
+                ),
+            ),
+        )
+        # CreateModel checks that the role can pull the image: the policy must exist first.
+        self.model.node.add_dependency(role.node.find_child("DefaultPolicy"))
+
+        data_capture = None
+        if variant.data_capture.enabled:
+            prefix = f"data-capture/{variant.endpoint_name}/"
+            role.add_to_policy(
+                iam.PolicyStatement(
+                    sid="WriteDataCapture",
+                    actions=["s3:PutObject"],
+                    resources=[f"arn:{Aws.PARTITION}:s3:::{data_capture_bucket}/{prefix}*"],
+                )
+            )
+            acknowledge(
+                role,
+                "AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::"
+                + data_capture_bucket.replace(Aws.ACCOUNT_ID, "<AWS::AccountId>").replace(
+                    Aws.REGION, "<AWS::Region>"
+                )
+                + f"/{prefix}*]",
+                "SageMaker names captured objects by date and request at run time; the role may only "
+                "add objects under this endpoint's data-capture prefix.",
+            )
+            data_capture = sagemaker.CfnEndpointConfig.DataCaptureConfigProperty(
+                enable_capture=True,
+                initial_sampling_percentage=variant.data_capture.sampling_percentage,
+                destination_s3_uri=f"s3://{data_capture_bucket}/{prefix.rstrip('/')}",
+                capture_options=[
+                    sagemaker.CfnEndpointConfig.CaptureOptionProperty(capture_mode="Input"),
+                    sagemaker.CfnEndpointConfig.CaptureOptionProperty(capture_mode="Output"),
+                ],
+                capture_content_type_header=sagemaker.CfnEndpointConfig.CaptureContentTypeHeaderProperty(
+                    json_content_types=["application/json"]
+                ),
+                kms_key_id=self.volume_key.key_arn if self.volume_key else None,
+            )
+
+        self.endpoint_config = sagemaker.CfnEndpointConfig(
+            self,
+            "Config",
+            # No EndpointConfigName: every property change replaces the config, which needs a new name.
+            production_variants=[
+                sagemaker.CfnEndpointConfig.ProductionVariantProperty(
+                    variant_name=VARIANT_NAME,
+                    model_name=self.model.attr_model_name,
+                    instance_type=variant.instance_type,
+                    initial_instance_count=variant.initial_instance_count,
+                    initial_variant_weight=1.0,
+                    container_startup_health_check_timeout_in_seconds=(
+                        variant.container_startup_health_check_timeout_s
+                    ),
+                    model_data_download_timeout_in_seconds=variant.model_data_download_timeout_s,
+                    inference_ami_version=variant.inference_ami_version,
+                )
+            ],
+            kms_key_id=self.volume_key.key_arn if self.volume_key else None,
+            data_capture_config=data_capture,
+        )
+        if self.volume_key is None:
+            reason = (
+                f"{variant.instance_type} keeps the model on local NVMe instance storage, which SageMaker "
+                "encrypts with a hardware key and for which CreateEndpointConfig rejects KmsKeyId."
+            )
+            for pack in ("HIPAA.Security", "NIST.800.53.R5", "PCI.DSS.321"):
+                acknowledge(
+                    self.endpoint_config, f"{pack}-SageMakerEndpointConfigurationKMSKeyConfigured", reason
+                )
+
+        self.alarms = EndpointAlarms(self, "Alarms", variant=variant)
+        self.endpoint = sagemaker.CfnEndpoint(
+            self,
+            "Endpoint",
+            endpoint_name=variant.endpoint_name,
+            endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
+            deployment_config=self._deployment_config(),
+        )
+        self.endpoint.node.add_dependency(self.log_group)
+        if variant.autoscaling:
+            self._autoscaling()
+
+    def _deployment_config(self) -> sagemaker.CfnEndpoint.DeploymentConfigProperty:
+        policy = self.variant.deployment
+        step = sagemaker.CfnEndpoint.CapacitySizeProperty(
+            type="INSTANCE_COUNT", value=policy.step_instance_count
+        )
+        routing = sagemaker.CfnEndpoint.TrafficRoutingConfigProperty(
+            type=policy.traffic_routing,
+            wait_interval_in_seconds=policy.wait_interval_s,
+            canary_size=step if policy.traffic_routing == "CANARY" else None,
+            linear_step_size=step if policy.traffic_routing == "LINEAR" else None,
+        )
+        return sagemaker.CfnEndpoint.DeploymentConfigProperty(
+            blue_green_update_policy=sagemaker.CfnEndpoint.BlueGreenUpdatePolicyProperty(
+                traffic_routing_configuration=routing,
+                termination_wait_in_seconds=policy.termination_wait_s,
+                maximum_execution_timeout_in_seconds=policy.maximum_execution_timeout_s,
+            ),
+            auto_rollback_configuration=sagemaker.CfnEndpoint.AutoRollbackConfigProperty(
+                alarms=[
+                    sagemaker.CfnEndpoint.AlarmProperty(alarm_name=alarm.alarm_name)
+                    for alarm in self.alarms.rollback_alarms
+                ]
+            ),
+        )
+
+    def _autoscaling(self) -> None:
+        """Target tracking on invocations per instance (L1: the L2 target would create an unused role)."""
+        variant = self.variant
+        self.scalable_target = appscaling.CfnScalableTarget(
+            self,
+            "ScalableTarget",
+            service_namespace="sagemaker",
+            resource_id=f"endpoint/{variant.endpoint_name}/variant/{VARIANT_NAME}",
+            scalable_dimension="sagemaker:variant:DesiredInstanceCount",
+            min_capacity=variant.min_capacity,
+            max_capacity=variant.max_capacity,
+        )
+        # Registering a target needs the endpoint; deregistering must happen before it is deleted.
+        self.scalable_target.add_resource_dependency(self.endpoint)
+        self.scaling_policy = appscaling.CfnScalingPolicy(
+            self,
+            "InvocationsPerInstance",
+            policy_name=f"{variant.endpoint_name}-invocations-per-instance",
+            policy_type="TargetTrackingScaling",
+            scaling_target_id=self.scalable_target.ref,
+            target_tracking_scaling_policy_configuration=appscaling.CfnScalingPolicy.TargetTrackingScalingPolicyConfigurationProperty(
+                target_value=float(variant.target_invocations_per_instance),
+                predefined_metric_specification=appscaling.CfnScalingPolicy.PredefinedMetricSpecificationProperty(
+                    predefined_metric_type="SageMakerVariantInvocationsPerInstance"
+                ),
+                scale_in_cooldown=variant.scale_in_cooldown_s,
+                scale_out_cooldown=variant.scale_out_cooldown_s,
+            ),
+        )

@@ -1,0 +1,124 @@
+"""CpuStack / GpuStack: one SageMaker endpoint variant, its image build and model staging requests,
+alarms, dashboard and outputs. Both stacks are this class with a different `VariantConfig`."""
+
+from __future__ import annotations
+
+import json
+
+from aws_cdk import Aws, CfnOutput, Stack
+from constructs import Construct
+
+from stacks.config import IMAGE_URI_RE, S3_PREFIX_RE, AppConfig, VariantConfig, container_environment
+from stacks.deploy_time_build import ImageBuild, ModelStaging
+from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
+from stacks.image_stack import ImageStack
+from stacks.monitoring import EndpointDashboard
+
+# A small decision request, used in the printed invoke command.
+SAMPLE_DECISION = {
+    "state": "Payouts failing for 3 days, losing sales!",
+    "questions": {
+        "refund": {"type": "noul", "instructions": "Is money back requested?"},
+        "team": {
+            "type": "choice",
+            "instructions": "Which team owns this?",
+            "criteria": {"billing": "Payments, refunds", "technical": "Bugs, outages"},
+        },
+    },
+}
+
+
+def invoke_command(endpoint_name: str, region: str) -> str:
+    body = json.dumps(SAMPLE_DECISION, separators=(",", ":"))
+    return (
+        f"aws sagemaker-runtime invoke-endpoint --region {region} --endpoint-name {endpoint_name} "
+        "--content-type application/json --accept application/json "
+        "--custom-attributes route=/v1/systemone --cli-binary-format raw-in-base64-out "
+        f"--body '{body}' /dev/stdout"
+    )
+
+
+class EndpointStack(Stack):
+    """One endpoint variant (the `variant` argument picks `cpu` or `gpu` from the config)."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: AppConfig,
+        variant: VariantConfig,
+        image_stack: ImageStack,
+        **kwargs,
+    ) -> None:
+        super().__init__(scope, construct_id, **kwargs)
+        self.variant = variant
+        self.add_stack_dependency(image_stack, "builds the image and stages the model")
+
+        image = self._image(variant, image_stack)
+        model = self._model(variant, config, image_stack)
+        self.endpoint = DeciderEndpoint(
+            self,
+            "Decider",
+            variant=variant,
+            image=image,
+            model=model,
+            environment=container_environment(variant, config.model),
+            data_capture_bucket=image_stack.artifacts_bucket_name,
+        )
+        self.dashboard = EndpointDashboard(self, "Monitoring", variant=variant, alarms=self.endpoint.alarms)
+        self._outputs(image, model)
+
+    def _image(self, variant: VariantConfig, image_stack: ImageStack) -> ImageLocation:
+        if variant.image_uri:
+            match = IMAGE_URI_RE.match(variant.image_uri)
+            assert match is not None  # validated by the config
+            repository_arn = (
+                f"arn:{Aws.PARTITION}:ecr:{match['region']}:{match['account']}:"
+                f"repository/{match['repository']}"
+            )
+            return ImageLocation(uri=variant.image_uri, repository_arn=repository_arn)
+        build = ImageBuild(self, "ImageBuild", image_stack=image_stack, variant=variant)
+        return ImageLocation(uri=build.image_uri, repository_arn=image_stack.repository.repository_arn)
+
+    def _model(self, variant: VariantConfig, config: AppConfig, image_stack: ImageStack) -> ModelLocation:
+        if variant.model_s3_uri:
+            match = S3_PREFIX_RE.match(variant.model_s3_uri)
+            assert match is not None  # validated by the config
+            return ModelLocation(
+                s3_uri=variant.model_s3_uri, bucket_name=match["bucket"], prefix=match["prefix"]
+            )
+        staging = ModelStaging(self, "ModelStaging", image_stack=image_stack, model=config.model)
+        return ModelLocation(
+            s3_uri=staging.model_s3_uri,
+            bucket_name=staging.bucket_name,
+            prefix=staging.prefix,
+            file=staging.file,
+        )
+
+    def _outputs(self, image: ImageLocation, model: ModelLocation) -> None:
+        name = self.variant.endpoint_name
+        CfnOutput(
+            self, "EndpointName", value=self.endpoint.endpoint.attr_endpoint_name, description="Endpoint"
+        )
+        CfnOutput(
+            self,
+            "ExecutionRoleArn",
+            value=self.endpoint.execution.role.role_arn,
+            description="SageMaker execution role of the endpoint",
+        )
+        CfnOutput(self, "ImageUri", value=image.uri, description="Image served, by digest")
+        CfnOutput(self, "ModelS3Uri", value=model.s3_uri, description="Model data (uncompressed S3 prefix)")
+        CfnOutput(
+            self,
+            "InvokeCommand",
+            value=invoke_command(name, Aws.REGION),
+            description="Try the endpoint (decision route); drop --custom-attributes for body-shape routing",
+        )
+        CfnOutput(
+            self,
+            "DashboardUrl",
+            value=f"https://console.aws.amazon.com/cloudwatch/home?region={Aws.REGION}"
+            f"#dashboards:name={self.dashboard.dashboard.dashboard_name}",
+            description="CloudWatch dashboard of the endpoint",
+        )

@@ -1,0 +1,415 @@
+"""ImageStack: what both endpoints share. ECR repository, artifacts bucket, the CodeBuild projects
+that build the image and stage the model, and the custom-resource provider that runs them at deploy
+time. The endpoint stacks request their own image build and model staging from it (see
+`stacks.deploy_time_build`), so deploying CpuStack never waits for a CUDA build."""
+
+from __future__ import annotations
+
+import yaml
+from aws_cdk import Aws, Duration, RemovalPolicy, Stack
+from aws_cdk import aws_codebuild as codebuild
+from aws_cdk import aws_ecr as ecr
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_s3_assets as s3_assets
+from aws_cdk import aws_stepfunctions as sfn
+from aws_cdk import custom_resources as cr
+from constructs import Construct
+
+from stacks.common import retention_days
+from stacks.config import AppConfig
+from stacks.nag import acknowledge
+from stacks.paths import ASSET_EXCLUDES, BUILDSPEC_DIR, CONTAINER_DIR, HANDLERS_DIR, container_excludes
+
+# The provider framework polls every 30 s and gives up after 2 h (its maximum).
+BUILD_POLL_INTERVAL = Duration.seconds(30)
+BUILD_TOTAL_TIMEOUT = Duration.hours(2)
+IMAGES_KEPT_PER_VARIANT = 20
+
+
+def artifacts_bucket_name(project: str) -> str:
+    """`<project>-artifacts-<account>-<region>`: unique per environment, known to every stack
+    without a cross-stack reference, and stable across deploys."""
+    return f"{project}-artifacts-{Aws.ACCOUNT_ID}-{Aws.REGION}"
+
+
+class ArtifactsStore(Construct):
+    """The artifacts bucket (staged models, data capture) and the bucket receiving its access logs."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, project: str) -> None:
+        super().__init__(scope, construct_id)
+        self.access_logs = s3.Bucket(
+            self,
+            "AccessLogs",
+            encryption=s3.BucketEncryption.S3_MANAGED,  # server access logging requires SSE-S3
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=True,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+            lifecycle_rules=[
+                s3.LifecycleRule(
+                    expiration=Duration.days(365), noncurrent_version_expiration=Duration.days(30)
+                )
+            ],
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        acknowledge(
+            self.access_logs,
+            "AwsSolutions-S1",
+            "This bucket is the server-access-log destination of the artifacts bucket; logging it into "
+            "itself would loop.",
+        )
+        self.bucket = s3.Bucket(
+            self,
+            "Artifacts",
+            bucket_name=artifacts_bucket_name(project),
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=True,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+            server_access_logs_bucket=self.access_logs,
+            server_access_logs_prefix="artifacts/",
+            lifecycle_rules=[
+                s3.LifecycleRule(
+                    noncurrent_version_expiration=Duration.days(30),
+                    abort_incomplete_multipart_upload_after=Duration.days(2),
+                )
+            ],
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+
+
+class ImageRepository(Construct):
+    """ECR repository for the decider images: immutable content-hash tags, scanned on push."""
+
+    def __init__(self, scope: Construct, construct_id: str) -> None:
+        super().__init__(scope, construct_id)
+        self.repository = ecr.Repository(
+            self,
+            "Repository",
+            image_tag_mutability=ecr.TagMutability.IMMUTABLE,
+            image_scan_on_push=True,
+            encryption=ecr.RepositoryEncryption.AES_256,
+            removal_policy=RemovalPolicy.RETAIN,
+            lifecycle_rules=[
+                ecr.LifecycleRule(
+                    rule_priority=1,
+                    description="Untagged layers left by interrupted pushes",
+                    tag_status=ecr.TagStatus.UNTAGGED,
+                    max_image_age=Duration.days(14),
+                ),
+                ecr.LifecycleRule(
+                    rule_priority=2,
+                    description=f"Keep the last {IMAGES_KEPT_PER_VARIANT} CPU images",
+                    tag_status=ecr.TagStatus.TAGGED,
+                    tag_prefix_list=["cpu-"],
+                    max_image_count=IMAGES_KEPT_PER_VARIANT,
+                ),
+                ecr.LifecycleRule(
+                    rule_priority=3,
+                    description=f"Keep the last {IMAGES_KEPT_PER_VARIANT} CUDA images",
+                    tag_status=ecr.TagStatus.TAGGED,
+                    tag_prefix_list=["cuda-"],
+                    max_image_count=IMAGES_KEPT_PER_VARIANT,
+                ),
+                ecr.LifecycleRule(
+                    rule_priority=4,
+                    description="Backstop for anything else pushed here",
+                    tag_status=ecr.TagStatus.ANY,
+                    max_image_count=100,
+                ),
+            ],
+        )
+        # AES256 is ECR's default, which CDK leaves out of the template; state it explicitly.
+        cfn_repository = self.repository.node.default_child
+        cfn_repository.add_property_override("EncryptionConfiguration", {"EncryptionType": "AES256"})
+
+
+class BuildProjects(Construct):
+    """The two CodeBuild projects: the privileged image build and the model staging."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        repository: ecr.IRepository,
+        artifacts: s3.IBucket,
+        source: s3_assets.Asset,
+        log_retention: logs.RetentionDays,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        self.key = kms.Key(
+            self,
+            "Key",
+            description="Encrypts CodeBuild artifacts and caches of the decider image builds",
+            enable_key_rotation=True,
+            removal_policy=RemovalPolicy.DESTROY,
+            pending_window=Duration.days(7),
+        )
+        image_logs = logs.LogGroup(
+            self, "ImageBuildLogs", retention=log_retention, removal_policy=RemovalPolicy.DESTROY
+        )
+        self.image = codebuild.Project(
+            self,
+            "ImageBuild",
+            description="Builds container/ into the decider image (VARIANT=cpu|cuda), "
+            "pushes it by content tag",
+            build_spec=inline_buildspec("image.yml"),
+            environment=codebuild.BuildEnvironment(
+                build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
+                # CUDA builds need cores and disk; each variant overrides the size at start (config).
+                compute_type=codebuild.ComputeType.X2_LARGE,
+                privileged=True,
+            ),
+            cache=codebuild.Cache.local(codebuild.LocalCacheMode.DOCKER_LAYER),
+            timeout=Duration.minutes(110),
+            queued_timeout=Duration.minutes(60),
+            encryption_key=self.key,
+            logging=codebuild.LoggingOptions(
+                cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=image_logs)
+            ),
+        )
+        repository.grant_pull_push(self.image)
+        grant_source_read(self.image, source)
+        acknowledge(
+            self.image,
+            "AwsSolutions-CB3",
+            "Privileged mode runs the Docker daemon that builds the container image; the build only "
+            "runs our own container/ source.",
+        )
+
+        model_logs = logs.LogGroup(
+            self, "ModelStagingLogs", retention=log_retention, removal_policy=RemovalPolicy.DESTROY
+        )
+        self.model = codebuild.Project(
+            self,
+            "ModelStaging",
+            description="Copies the pinned GGUF from Hugging Face to the artifacts bucket, "
+            "checking its sha256",
+            build_spec=inline_buildspec("model.yml"),
+            environment=codebuild.BuildEnvironment(
+                build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
+                compute_type=codebuild.ComputeType.SMALL,
+            ),
+            timeout=Duration.minutes(60),
+            queued_timeout=Duration.minutes(60),
+            encryption_key=self.key,
+            logging=codebuild.LoggingOptions(
+                cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=model_logs)
+            ),
+        )
+        grant_models_access(self.model, artifacts, write=True)
+        for project in (self.image, self.model):
+            acknowledge(
+                project,
+                "AwsSolutions-IAM5[Action::kms:ReEncrypt*]",
+                "CDK's grant for the CodeBuild encryption key; scoped to that single key.",
+            )
+            acknowledge(
+                project,
+                "AwsSolutions-IAM5[Action::kms:GenerateDataKey*]",
+                "CDK's grant for the CodeBuild encryption key; scoped to that single key.",
+            )
+            name = Stack.of(project).get_logical_id(project.node.default_child)
+            acknowledge(
+                project,
+                f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:logs:<AWS::Region>:<AWS::AccountId>:"
+                f"log-group:/aws/codebuild/<{name}>:*]",
+                "CodeBuild's default log group permission added by CDK, limited to this project's log "
+                "streams (whose names CodeBuild generates per build).",
+            )
+            acknowledge(
+                project,
+                f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:codebuild:<AWS::Region>:<AWS::AccountId>:"
+                f"report-group/<{name}>-*]",
+                "CodeBuild's test-report groups of this project, added by CDK; named after the project.",
+            )
+        acknowledge(
+            self.image,
+            "AwsSolutions-IAM5[Resource::*]",
+            "ecr:GetAuthorizationToken (docker login) has no resource-level permissions.",
+        )
+
+
+class BuildProvider(Construct):
+    """Custom-resource provider that starts a CodeBuild job and waits for its result."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        projects: BuildProjects,
+        repository: ecr.IRepository,
+        artifacts: s3.IBucket,
+        log_retention: logs.RetentionDays,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        code = lambda_.Code.from_asset(str(HANDLERS_DIR), exclude=ASSET_EXCLUDES)
+
+        def handler(name: str, entry: str, timeout: Duration) -> lambda_.Function:
+            return lambda_.Function(
+                self,
+                name,
+                runtime=lambda_.Runtime.PYTHON_3_14,
+                handler=f"codebuild_job.{entry}",
+                code=code,
+                timeout=timeout,
+                memory_size=256,
+                description=f"Deploy-time CodeBuild job: {entry}",
+                log_group=logs.LogGroup(
+                    self, f"{name}Logs", retention=log_retention, removal_policy=RemovalPolicy.DESTROY
+                ),
+            )
+
+        on_event = handler("OnEvent", "on_event", Duration.minutes(1))
+        is_complete = handler("IsComplete", "is_complete", Duration.minutes(1))
+        for function in (on_event, is_complete):
+            function.add_to_role_policy(
+                iam.PolicyStatement(
+                    actions=["codebuild:StartBuild", "codebuild:BatchGetBuilds", "codebuild:StopBuild"],
+                    resources=[projects.image.project_arn, projects.model.project_arn],
+                )
+            )
+            function.add_to_role_policy(
+                iam.PolicyStatement(actions=["ecr:DescribeImages"], resources=[repository.repository_arn])
+            )
+            grant_models_access(function, artifacts, write=False)
+        provider_logs = logs.LogGroup(
+            self, "ProviderLogs", retention=log_retention, removal_policy=RemovalPolicy.DESTROY
+        )
+        self.provider = cr.Provider(
+            self,
+            "Provider",
+            on_event_handler=on_event,
+            is_complete_handler=is_complete,
+            query_interval=BUILD_POLL_INTERVAL,
+            total_timeout=BUILD_TOTAL_TIMEOUT,
+            log_group=provider_logs,
+            disable_waiter_state_machine_logging=False,
+            waiter_state_machine_log_options=cr.LogOptions(
+                destination=logs.LogGroup(
+                    self, "WaiterLogs", retention=log_retention, removal_policy=RemovalPolicy.DESTROY
+                ),
+                level=sfn.LogLevel.ALL,
+            ),
+        )
+        acknowledge(
+            self,
+            "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole]",
+            "AWSLambdaBasicExecutionRole only lets the deploy-time functions write their own logs.",
+        )
+        acknowledge(
+            self.provider,
+            "AwsSolutions-IAM5[Resource::*]",
+            "Step Functions log delivery (logs:CreateLogDelivery, PutResourcePolicy, …) has no "
+            "resource-level permissions; granted by CDK to the waiter state machine only.",
+        )
+        acknowledge(
+            self,
+            "AwsSolutions-SF2",
+            "The provider framework's waiter state machine only polls one build every 30 s; its "
+            "execution history and ALL-level logs are enough to trace it without X-Ray.",
+        )
+        stack = Stack.of(self)
+        for child in self.node.find_all():
+            if isinstance(child, lambda_.CfnFunction):
+                acknowledge(
+                    self,
+                    f"AwsSolutions-IAM5[Resource::<{stack.get_logical_id(child)}.Arn>:*]",
+                    "Invoke permission on the function's versions and aliases, generated by the "
+                    "provider framework for its own functions.",
+                )
+        self.service_token = self.provider.service_token
+
+
+def inline_buildspec(name: str) -> codebuild.BuildSpec:
+    """The buildspec from buildspec/<name>, inlined into the template so that `cdk diff` shows edits.
+
+    (`BuildSpec.from_asset` would upload it to S3 and only the asset hash would change.)
+    """
+    spec = yaml.safe_load((BUILDSPEC_DIR / name).read_text(encoding="utf-8"))
+    if not isinstance(spec, dict) or "phases" not in spec:
+        raise ValueError(f"buildspec/{name} is not a CodeBuild buildspec (no phases)")
+    return codebuild.BuildSpec.from_object_to_yaml(spec)
+
+
+def grant_source_read(project: codebuild.Project, source: s3_assets.Asset) -> None:
+    """Read exactly the container source object (not the whole bootstrap bucket)."""
+    bucket_arn = Stack.of(project).format_arn(
+        service="s3", region="", account="", resource=source.s3_bucket_name
+    )
+    project.add_to_role_policy(
+        iam.PolicyStatement(
+            actions=["s3:GetObject", "s3:GetObjectVersion"],
+            resources=[f"{bucket_arn}/{source.s3_object_key}"],
+        )
+    )
+    project.add_to_role_policy(
+        iam.PolicyStatement(actions=["s3:GetBucketAcl", "s3:GetBucketLocation"], resources=[bucket_arn])
+    )
+
+
+def grant_models_access(grantee: iam.IGrantable, artifacts: s3.IBucket, *, write: bool) -> None:
+    """Read (and optionally write) the staged models under models/ of the artifacts bucket."""
+    actions = ["s3:GetObject"] + (["s3:PutObject", "s3:AbortMultipartUpload"] if write else [])
+    grantee.grant_principal.add_to_principal_policy(
+        iam.PolicyStatement(actions=actions, resources=[artifacts.arn_for_objects("models/*")])
+    )
+    # Without ListBucket, HeadObject on a missing key answers 403 instead of 404.
+    grantee.grant_principal.add_to_principal_policy(
+        iam.PolicyStatement(
+            actions=["s3:ListBucket"],
+            resources=[artifacts.bucket_arn],
+            conditions={"StringLike": {"s3:prefix": ["models/*"]}},
+        )
+    )
+    bucket_id = Stack.of(artifacts).get_logical_id(artifacts.node.default_child)
+    acknowledge(
+        grantee,
+        f"AwsSolutions-IAM5[Resource::<{bucket_id}.Arn>/models/*]",
+        "Staged models live under models/<repository>/<revision>/<sha>/; the staging job and its "
+        "handler address any pinned model below that prefix.",
+    )
+
+
+class ImageStack(Stack):
+    """Shared resources of both endpoint stacks."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: AppConfig, **kwargs) -> None:
+        super().__init__(scope, construct_id, **kwargs)
+        retention = retention_days(config.cpu.log_retention_days)
+        self.store = ArtifactsStore(self, "Store", project=config.project)
+        self.artifacts = self.store.bucket
+        self.artifacts_bucket_name = artifacts_bucket_name(config.project)
+        self.repository = ImageRepository(self, "Images").repository
+        # The image's build context. Its hash is a content hash of container/ (paths and bytes, not
+        # modes or mtimes) minus caches, so an unchanged container keeps its tag and its diff empty.
+        self.container_source = s3_assets.Asset(
+            self, "ContainerSource", path=str(CONTAINER_DIR), exclude=container_excludes()
+        )
+        self.projects = BuildProjects(
+            self,
+            "Builds",
+            repository=self.repository,
+            artifacts=self.artifacts,
+            source=self.container_source,
+            log_retention=retention,
+        )
+        self.provider = BuildProvider(
+            self,
+            "BuildRunner",
+            projects=self.projects,
+            repository=self.repository,
+            artifacts=self.artifacts,
+            log_retention=retention,
+        )
+
+    @property
+    def source_hash(self) -> str:
+        return self.container_source.asset_hash

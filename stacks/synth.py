@@ -1,0 +1,54 @@
+"""Synthesize the CDK app in-process, offline, exactly as `npx cdk synth` does.
+
+    from stacks.synth import synthesize
+    templates = synthesize(Path("cdk.out.tmp"), {"cpu.instance_type": "ml.c7i.2xlarge"})
+    templates["CpuStack"]["Resources"]...
+
+Used by tools/infra_diff and the tests: no CLI, no node process of our own, no credentials, no AWS
+calls. The context is cdk.json's, plus `context` overrides spelled like `-c` keys.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from stacks.paths import CDK_JSON
+
+# What the CDK CLI adds to the context on `cdk synth` (with cdk.json's "versionReporting": false).
+CLI_CONTEXT = {
+    "aws:cdk:enable-path-metadata": True,
+    "aws:cdk:enable-asset-metadata": True,
+    "aws:cdk:version-reporting": False,
+    "aws:cdk:bundling-stacks": ["**"],
+}
+
+
+def cdk_json_context(path: Path = CDK_JSON) -> dict[str, Any]:
+    """The `context` object of cdk.json."""
+    return dict(json.loads(path.read_text(encoding="utf-8")).get("context", {}))
+
+
+def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None, *, nag: bool = True):
+    """Build and synthesize the app into `outdir`; returns (DeciderApp, CloudAssembly).
+
+    Raises stacks.config.ConfigError for invalid configuration, and the CDK's validation error when
+    cdk-nag (or CloudFormation validation) reports an unacknowledged violation.
+    """
+    from aws_cdk import App
+
+    from stacks.assembly import build_app
+
+    merged = {**cdk_json_context(), **CLI_CONTEXT, **dict(context or {})}
+    outdir.mkdir(parents=True, exist_ok=True)
+    app = App(outdir=str(outdir), context=merged, analytics_reporting=False)
+    decider = build_app(app, nag=nag)
+    return decider, app.synth()
+
+
+def synthesize(outdir: Path, context: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Stack name → CloudFormation template (as parsed JSON), synthesized into `outdir`."""
+    _, assembly = synthesize_assembly(outdir, context)
+    return {stack.stack_name: stack.template for stack in assembly.stacks}

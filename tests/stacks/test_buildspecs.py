@@ -1,0 +1,205 @@
+"""Run the buildspecs' commands locally, the way CodeBuild does (one bash shell per build, a failing
+command fails the build), against fake `aws`, `curl` and `docker` that record their calls."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stacks.paths import BUILDSPEC_DIR
+
+FAKE_AWS = r"""#!/usr/bin/env bash
+echo "aws $*" >> "$CALLS"
+case "$1 $2" in
+  "s3api head-object")
+    [[ -f "$STATE/staged_sha" ]] && cat "$STATE/staged_sha" && exit 0
+    echo "Not Found" >&2; exit 254 ;;
+  "s3 cp") cp "$3" "$STATE/uploaded"; exit 0 ;;
+  "ecr get-login-password") echo "password"; exit 0 ;;
+  "ecr describe-images")
+    [[ -f "$STATE/digest" ]] && cat "$STATE/digest" && exit 0
+    echo "ImageNotFound" >&2; exit 254 ;;
+esac
+echo "unexpected aws call: $*" >&2; exit 2
+"""
+FAKE_CURL = r"""#!/usr/bin/env bash
+echo "curl $*" >> "$CALLS"
+out=""; while [[ $# -gt 0 ]]; do [[ "$1" == "--output" ]] && out="$2"; shift; done
+cp "$STATE/download" "$out"
+"""
+FAKE_DOCKER = r"""#!/usr/bin/env bash
+echo "docker $*" >> "$CALLS"
+case "$1" in
+  push) echo "sha256:$(printf 'f%.0s' {1..64})" > "$STATE/digest" ;;
+  build) [[ -f "$STATE/fail_build" ]] && exit 1 ;;
+esac
+exit 0
+"""
+
+
+def buildspec_script(name: str) -> tuple[str, list[str]]:
+    """The buildspec as one bash script (phases in order) and its exported variable names."""
+    spec = yaml.safe_load((BUILDSPEC_DIR / name).read_text())
+    lines = []
+    for phase in ("install", "pre_build", "build", "post_build"):
+        for command in spec["phases"].get(phase, {}).get("commands", []):
+            lines.append(command)
+            lines.append(f'rc=$?; if [ $rc -ne 0 ]; then echo "FAILED in {phase}: rc=$rc" >&2; exit $rc; fi')
+    exported = spec["env"]["exported-variables"]
+    lines += [f'echo "EXPORT {v}=${{{v}}}"' for v in exported]
+    return "\n".join(lines), exported
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path):
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, body in {"aws": FAKE_AWS, "curl": FAKE_CURL, "docker": FAKE_DOCKER}.items():
+        tool = bin_dir / name
+        tool.write_text(body)
+        tool.chmod(0o755)
+    return tmp_path
+
+
+def run(sandbox: Path, name: str, env: dict[str, str], cwd: Path | None = None):
+    script, _ = buildspec_script(name)
+    calls = sandbox / "calls.log"
+    calls.touch()
+    full_env = {
+        "PATH": f"{sandbox / 'bin'}:{os.environ['PATH']}",
+        "CALLS": str(calls),
+        "STATE": str(sandbox / "state"),
+        "CODEBUILD_BUILD_SUCCEEDING": "1",
+        "HOME": str(sandbox),
+        "TMPDIR": str(sandbox),
+        **env,
+    }
+    result = subprocess.run(
+        ["bash", "-c", script], env=full_env, cwd=cwd or sandbox, capture_output=True, text=True, timeout=60
+    )
+    exported = dict(
+        line.removeprefix("EXPORT ").split("=", 1)
+        for line in result.stdout.splitlines()
+        if line.startswith("EXPORT ")
+    )
+    return result, exported, calls.read_text().splitlines()
+
+
+GGUF = b"GGUF" + b"\x00" * 1000
+
+
+def model_env(content: bytes = GGUF, size: int | None = None) -> dict[str, str]:
+    return {
+        "ARTIFACTS_BUCKET": "artifacts",
+        "MODEL_PREFIX": "models/org/repo/" + "a" * 40 + "/abc/",
+        "MODEL_REPOSITORY": "org/repo",
+        "MODEL_REVISION": "a" * 40,
+        "MODEL_FILE": "model.gguf",
+        "MODEL_SIZE_BYTES": str(len(content) if size is None else size),
+        "MODEL_SHA256": hashlib.sha256(content).hexdigest(),
+    }
+
+
+def test_model_is_downloaded_verified_and_uploaded_with_its_hash(sandbox):
+    (sandbox / "state" / "download").write_bytes(GGUF)
+    result, exported, calls = run(sandbox, "model.yml", model_env())
+    assert result.returncode == 0, result.stderr
+    assert (sandbox / "state" / "uploaded").read_bytes() == GGUF
+    (curl,) = [c for c in calls if c.startswith("curl")]
+    assert "https://huggingface.co/org/repo/resolve/" + "a" * 40 + "/model.gguf" in curl
+    (upload,) = [c for c in calls if c.startswith("aws s3 cp")]
+    assert f"sha256={hashlib.sha256(GGUF).hexdigest()}" in upload
+    assert exported["MODEL_S3_URI"] == "s3://artifacts/models/org/repo/" + "a" * 40 + "/abc/"
+
+
+def test_model_with_the_wrong_sha256_is_never_uploaded(sandbox):
+    (sandbox / "state" / "download").write_bytes(GGUF[:-1] + b"\x01")
+    result, _, calls = run(sandbox, "model.yml", model_env())
+    assert result.returncode != 0
+    assert "sha256 mismatch" in result.stdout
+    assert not any(c.startswith("aws s3 cp") for c in calls)
+
+
+def test_model_with_the_wrong_size_fails_before_hashing(sandbox):
+    (sandbox / "state" / "download").write_bytes(GGUF)
+    result, _, calls = run(sandbox, "model.yml", model_env(size=len(GGUF) + 1))
+    assert result.returncode != 0
+    assert "!= pinned" in result.stdout + result.stderr
+    assert not any(c.startswith("aws s3 cp") for c in calls)
+
+
+def test_model_already_staged_is_not_downloaded_again(sandbox):
+    env = model_env()
+    (sandbox / "state" / "staged_sha").write_text(env["MODEL_SHA256"])
+    result, exported, calls = run(sandbox, "model.yml", env)
+    assert result.returncode == 0, result.stderr
+    assert not any(c.startswith("curl") for c in calls)
+    assert exported["MODEL_S3_URI"].startswith("s3://artifacts/")
+
+
+def test_model_requires_a_full_sha256(sandbox):
+    env = {**model_env(), "MODEL_SHA256": "13c16f42a983"}
+    result, _, calls = run(sandbox, "model.yml", env)
+    assert result.returncode != 0
+    assert not any(c.startswith("curl") for c in calls)
+
+
+IMAGE_ENV = {
+    "REPOSITORY_URI": "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider",
+    "IMAGE_TAG": "cpu-" + "c" * 64,
+    "VARIANT": "cpu",
+}
+
+
+@pytest.fixture
+def context_dir(sandbox):
+    source = sandbox / "src"
+    source.mkdir()
+    (source / "Dockerfile").write_text("FROM scratch\n")
+    return source
+
+
+def test_image_is_built_with_the_variant_pushed_by_tag_and_exported_by_digest(sandbox, context_dir):
+    result, exported, calls = run(sandbox, "image.yml", IMAGE_ENV, cwd=context_dir)
+    assert result.returncode == 0, result.stderr
+    (build,) = [shlex.split(c) for c in calls if c.startswith("docker build")]
+    assert "VARIANT=cpu" in build and f"{IMAGE_ENV['REPOSITORY_URI']}:{IMAGE_ENV['IMAGE_TAG']}" in build
+    assert any(c == f"docker push {IMAGE_ENV['REPOSITORY_URI']}:{IMAGE_ENV['IMAGE_TAG']}" for c in calls)
+    assert exported["IMAGE_DIGEST"] == "sha256:" + "f" * 64
+
+
+def test_extra_build_args_reach_docker_build(sandbox, context_dir):
+    env = {**IMAGE_ENV, "EXTRA_BUILD_ARGS": "PYTHON_IMAGE=public.ecr.aws/docker/library/python:3.11\nX=a b"}
+    result, _, calls = run(sandbox, "image.yml", env, cwd=context_dir)
+    assert result.returncode == 0, result.stderr
+    (build,) = [c for c in calls if c.startswith("docker build")]
+    assert "--build-arg PYTHON_IMAGE=public.ecr.aws/docker/library/python:3.11 --build-arg X=a b" in build
+
+
+def test_existing_tag_is_not_rebuilt(sandbox, context_dir):
+    (sandbox / "state" / "digest").write_text("sha256:" + "e" * 64)
+    result, exported, calls = run(sandbox, "image.yml", IMAGE_ENV, cwd=context_dir)
+    assert result.returncode == 0, result.stderr
+    assert not any(c.startswith(("docker build", "docker push")) for c in calls)
+    assert exported["IMAGE_DIGEST"] == "sha256:" + "e" * 64
+
+
+@pytest.mark.parametrize("variant", ["", "gpu", "latest"])
+def test_unknown_variant_fails_before_building(sandbox, context_dir, variant):
+    result, _, calls = run(sandbox, "image.yml", {**IMAGE_ENV, "VARIANT": variant}, cwd=context_dir)
+    assert result.returncode != 0
+    assert not any(c.startswith("docker build") for c in calls)
+
+
+def test_failed_docker_build_pushes_nothing(sandbox, context_dir):
+    (sandbox / "state" / "fail_build").touch()
+    result, _, calls = run(sandbox, "image.yml", IMAGE_ENV, cwd=context_dir)
+    assert result.returncode != 0
+    assert not any(c.startswith("docker push") for c in calls)

@@ -1,0 +1,206 @@
+"""The variant config: defaults, `-c` overrides, and one clear error per bad value (no synth needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from decider.settings import Settings
+
+from stacks.config import (
+    ConfigError,
+    container_environment,
+    load_config,
+    merge_context,
+    supports_volume_kms,
+)
+from stacks.synth import cdk_json_context
+
+DIGEST = "sha256:" + "0" * 64
+ECR_IMAGE = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@{DIGEST}"
+
+
+def config_with(**overrides: Any):
+    return load_config({**cdk_json_context(), **overrides})
+
+
+def error_for(**overrides: Any) -> str:
+    with pytest.raises(ConfigError) as caught:
+        config_with(**overrides)
+    return str(caught.value)
+
+
+def test_defaults_from_cdk_json_pin_the_production_model_and_instances():
+    config = config_with()
+    assert config.model.repository == "bartowski/Qwen_Qwen3.5-4B-GGUF"
+    assert config.model.revision == "4168f45a16a1290d65a4ec0fa312ae917a4c15d6"
+    assert config.model.file == "Qwen_Qwen3.5-4B-Q4_K_M.gguf"
+    assert config.model.size_bytes == 3_013_027_808
+    assert config.model.sha256.startswith("13c16f42") and config.model.sha256.endswith("a983")
+    assert config.cpu.instance_type == "ml.c7i.xlarge"
+    assert config.gpu.instance_type == "ml.g6.xlarge"
+    assert config.gpu.inference_ami_version == "al2-ami-sagemaker-inference-gpu-3-1"
+    assert config.cpu.encrypt_volume and not config.gpu.encrypt_volume
+    assert (config.cpu.build_variant, config.gpu.build_variant) == ("cpu", "cuda")
+
+
+def test_dotted_overrides_are_parsed_and_applied():
+    config = config_with(
+        **{
+            "cpu.instance_type": "ml.c7i.2xlarge",
+            "cpu.max_capacity": "6",
+            "cpu.container.n_ctx": "4096",
+            "cpu.container.max_state_tokens": "3072",
+            "cpu.container.temperature_choice": "1.3",
+            "cpu.data_capture.enabled": "true",
+        }
+    )
+    assert config.cpu.instance_type == "ml.c7i.2xlarge"
+    assert config.cpu.max_capacity == 6
+    assert config.cpu.data_capture.enabled is True
+    env = container_environment(config.cpu, config.model)
+    assert env[Settings.env_name("n_ctx")] == "4096"
+    assert env[Settings.env_name("temperature_choice")] == "1.3"
+    # the other variant is untouched
+    assert config.gpu.container.get("n_ctx") == 8192
+
+
+def test_global_image_and_model_apply_to_both_variants_unless_one_sets_its_own():
+    other = ECR_IMAGE.replace("0" * 64, "1" * 64)
+    config = config_with(
+        image_uri=ECR_IMAGE, model_s3_uri="s3://bucket/models/x/", **{"gpu.image_uri": other}
+    )
+    assert config.cpu.image_uri == ECR_IMAGE
+    assert config.gpu.image_uri == other
+    assert config.cpu.model_s3_uri == config.gpu.model_s3_uri == "s3://bucket/models/x/"
+
+
+def test_a_variant_can_opt_out_of_the_global_image_with_null():
+    config = config_with(image_uri=ECR_IMAGE, **{"cpu.image_uri": "null"})
+    assert config.cpu.image_uri is None
+    assert config.gpu.image_uri == ECR_IMAGE
+
+
+def test_unrelated_context_keys_are_ignored():
+    tree = merge_context(
+        {**cdk_json_context(), "@aws-cdk/core:foo": True, "aws:cdk:enable-path-metadata": True}
+    )
+    assert set(tree) == {"project", "model", "cpu", "gpu"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"cpu.instance_type": "ml.g6.xlarge"}, "cpu.instance_type: ml.g6.xlarge is a GPU/accelerator type"),
+        ({"gpu.instance_type": "ml.c7i.xlarge"}, "gpu.instance_type: ml.c7i.xlarge has no GPU"),
+        ({"cpu.instance_type": "c7i.xlarge"}, "is not a SageMaker instance type"),
+        ({"cpu.container_startup_health_check_timeout_s": "30"}, "greater than or equal to 60"),
+        ({"gpu.model_data_download_timeout_s": "3601"}, "less than or equal to 3600"),
+        (
+            {"cpu.min_capacity": "5", "cpu.max_capacity": "4"},
+            "cpu.min_capacity: 5 must not exceed max_capacity (4)",
+        ),
+        ({"cpu.initial_instance_count": "9"}, "cpu.initial_instance_count: 9 must lie within"),
+        ({"image_uri": "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider:latest"}, "by digest"),
+        ({"cpu.image_uri": "docker.io/library/decider@" + DIGEST}, "private ECR image"),
+        ({"model_s3_uri": "s3://bucket/model.gguf"}, "must be an S3 prefix ending in '/'"),
+        ({"cpu.container.n_ctx": "-1"}, "cpu.container: invalid container setting(s): n_ctx"),
+        ({"cpu.container.no_such_knob": "1"}, "no_such_knob"),
+        ({"cpu.container.n_ctx": "4096"}, "max_state_tokens (6144) must be below n_ctx (4096)"),
+        ({"cpu.instance_typo": "ml.c7i.xlarge"}, "cpu.instance_typo: unknown key"),
+        ({"cpu.volume_kms": "true", "cpu.instance_type": "ml.c6id.xlarge"}, "NVMe instance storage"),
+        (
+            {"cpu.inference_ami_version": "al2-ami-sagemaker-inference-gpu-3-1"},
+            "only applies to the gpu variant",
+        ),
+        ({"gpu.inference_ami_version": "al2-ami-latest"}, "inference_ami_version: must be one of"),
+        (
+            {"cpu.min_capacity": "1", "cpu.initial_instance_count": "1"},
+            "cpu.deployment.step_instance_count: 1 must be at most half of min_capacity",
+        ),
+        ({"cpu.log_retention_days": "31"}, "retention periods"),
+        ({"model.sha256": "13c16f42a983"}, "model.sha256"),
+        ({"cpu.endpoint_name": "decider_cpu"}, "cpu.endpoint_name"),
+        ({"gpu.image_build.build_args.VARIANT": "cpu"}, "VARIANT is set per variant"),
+        ({"gpu.image_build.compute_type": "BUILD_GENERAL1_SMALL"}, "gpu.image_build.compute_type"),
+    ],
+)
+def test_invalid_values_fail_with_a_message_naming_the_key(overrides, expected):
+    assert expected in error_for(**overrides)
+
+
+def test_every_problem_is_reported_at_once():
+    message = error_for(**{"cpu.container_startup_health_check_timeout_s": "5", "gpu.max_capacity": "0"})
+    assert "cpu.container_startup_health_check_timeout_s" in message
+    assert "gpu.max_capacity" in message
+
+
+def test_single_instance_fleet_is_allowed_with_all_at_once():
+    config = config_with(
+        **{
+            "gpu.min_capacity": "1",
+            "gpu.initial_instance_count": "1",
+            "gpu.deployment.traffic_routing": "ALL_AT_ONCE",
+        }
+    )
+    assert config.gpu.min_capacity == 1
+
+
+def test_container_environment_uses_the_settings_names_and_the_pinned_model():
+    config = config_with()
+    env = container_environment(config.gpu, config.model)
+    assert (
+        env
+        == Settings.model_validate(
+            {"model_file": config.model.file, "model_sha256": config.model.sha256, **config.gpu.container}
+        ).to_environment()
+    )
+    assert env[Settings.env_name("n_gpu_layers")] == "-1"
+    assert env[Settings.env_name("model_sha256")] == config.model.sha256
+    assert all(name.startswith("DECIDER_") for name in env)
+
+
+def test_prebuilt_model_drops_the_pinned_file_and_hash():
+    config = config_with(model_s3_uri="s3://bucket/models/other/")
+    env = container_environment(config.cpu, config.model)
+    assert Settings.env_name("model_file") not in env
+    assert Settings.env_name("model_sha256") not in env
+
+
+def test_synth_machine_environment_does_not_leak_into_the_container(monkeypatch):
+    monkeypatch.setenv("DECIDER_N_CTX", "128")
+    config = config_with()
+    assert container_environment(config.cpu, config.model)["DECIDER_N_CTX"] == "8192"
+
+
+@pytest.mark.parametrize(
+    ("instance_type", "allowed"),
+    [
+        ("ml.c7i.xlarge", True),
+        ("ml.m7i.large", True),
+        ("ml.g6.xlarge", False),
+        ("ml.g5.2xlarge", False),
+        ("ml.c6id.xlarge", False),
+        ("ml.p4d.24xlarge", False),
+        ("ml.inf2.xlarge", False),
+    ],
+)
+def test_volume_kms_support_follows_instance_storage(instance_type, allowed):
+    assert supports_volume_kms(instance_type) is allowed
+
+
+@pytest.mark.cdk
+def test_cdk_entry_point_prints_every_config_error_and_exits_2(capsys):
+    """`npx cdk synth -c cpu.instance_type=ml.g6.xlarge` path: the CLI hands the context to app.py."""
+    import importlib.util
+
+    from stacks.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("cdk_app", ROOT / "app.py")
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    context = {**cdk_json_context(), "cpu.instance_type": "ml.g6.xlarge", "gpu.container.n_ctx": "0"}
+    assert app.main(context) == 2
+    err = capsys.readouterr().err
+    assert "cpu.instance_type: ml.g6.xlarge is a GPU/accelerator type" in err
+    assert "gpu.container: invalid container setting(s): n_ctx" in err
