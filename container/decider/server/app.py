@@ -1,0 +1,243 @@
+"""The ASGI application: SageMaker's `/ping` and `/invocations`, the decision and chat routes,
+`/v1/models` and `/metrics`.
+
+Every response carries `x-request-id` (also as `x-typesafe-request-id`, which typesafe-sdk reads).
+`/invocations` responses also carry `X-Amzn-SageMaker-Custom-Attributes:
+request_id=…,duration_ms=…,route=…`, because SageMaker passes only that header back to the caller.
+For a streamed answer `duration_ms` is the time to the first byte.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from decider.errors import DeciderError, NotFoundError, RequestError
+from decider.server.body import read_payload
+from decider.server.handlers import ClientDisconnectedError, handle_chat, handle_decision, internal_error_body
+from decider.server.metrics import route_label
+from decider.server.routing import (
+    CUSTOM_ATTRIBUTES_HEADER,
+    TARGET_PATHS,
+    parse_custom_attributes,
+    target_from_attributes,
+    target_from_body,
+)
+from decider.server.runtime import EngineLoader, ServerRuntime, load_engine
+from decider.settings import Settings
+
+log = logging.getLogger("decider.server")
+access_log = logging.getLogger("decider.access")
+QUIET_PATHS = frozenset({"/ping", "/metrics"})
+CLIENT_CLOSED_REQUEST = 499  # nginx's convention, for logs and metrics only
+
+
+class RequestContextMiddleware:
+    """Request id, SageMaker response attributes, metrics, access log, and a JSON 500 of last resort."""
+
+    def __init__(self, app: ASGIApp, runtime: ServerRuntime) -> None:
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        path: str = scope["path"]
+        started = time.perf_counter()
+        status = 500
+        response_started = False
+
+        async def send_with_context(message: Message) -> None:
+            nonlocal status, response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+                status = message["status"]
+                headers = MutableHeaders(scope=message)
+                headers["x-request-id"] = request_id
+                headers["x-typesafe-request-id"] = request_id
+                if path == "/invocations":
+                    duration_ms = round((time.perf_counter() - started) * 1000)
+                    attributes = f"request_id={request_id},duration_ms={duration_ms}"
+                    if target := state.get("invocation_target"):
+                        attributes += f",route={target}"
+                    headers[CUSTOM_ATTRIBUTES_HEADER] = attributes
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_context)
+        except Exception as exc:
+            log.exception("request %s %s %s failed", request_id, scope.get("method"), path)
+            if not response_started:
+                response = JSONResponse(internal_error_body(exc), status_code=500)
+                await response(scope, receive, send_with_context)
+        finally:
+            elapsed = time.perf_counter() - started
+            route = route_label(path)
+            self.runtime.metrics.requests.labels(route, str(status)).inc()
+            self.runtime.metrics.latency.labels(route).observe(elapsed)
+            level = logging.DEBUG if path in QUIET_PATHS and status < 500 else logging.INFO
+            access_log.log(
+                level,
+                "%s %s %s %d %.1fms%s",
+                request_id,
+                scope.get("method"),
+                path,
+                status,
+                elapsed * 1000,
+                f" route={state['invocation_target']}" if "invocation_target" in state else "",
+            )
+
+
+def _error_response(exc: DeciderError) -> JSONResponse:
+    return JSONResponse(exc.to_wire(), status_code=exc.status, headers=exc.headers or None)
+
+
+async def _on_decider_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, DeciderError)
+    return _error_response(exc)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return _error_response(
+            NotFoundError(f"no route {request.method} {request.url.path}", code="unknown_endpoint")
+        )
+    if exc.status_code == 405:
+        error = RequestError(
+            f"{request.method} is not allowed on {request.url.path}",
+            code="method_not_allowed",
+            status=405,
+            headers=dict(exc.headers or {}),
+        )
+        return _error_response(error)
+    error = RequestError(str(exc.detail), code="http_error", status=exc.status_code)
+    return _error_response(error)
+
+
+async def _on_client_disconnected(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    loader: EngineLoader = load_engine,
+    on_fatal: Callable[[str], None] | None = None,
+) -> Starlette:
+    """Build the app; the model starts loading when the ASGI lifespan starts."""
+    runtime = ServerRuntime(settings, loader=loader)
+    limit = settings.max_body_bytes
+
+    def fatal(message: str) -> None:
+        log.error("startup failed: %s", message)
+        if on_fatal is not None:
+            on_fatal(message)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        runtime.start_loading(fatal)
+        try:
+            yield
+        finally:
+            runtime.stop()
+
+    async def ping(request: Request) -> Response:
+        if runtime.ready:
+            return JSONResponse({"status": "ready", "model": runtime.served_model_id()})
+        body: dict[str, Any] = {"status": runtime.state}
+        try:
+            runtime.require_engine()
+        except DeciderError as exc:
+            body.update(exc.to_wire())
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
+
+    async def invocations(request: Request) -> Response:
+        attributes = parse_custom_attributes(request.headers.get(CUSTOM_ATTRIBUTES_HEADER))
+        target = target_from_attributes(attributes)  # an unknown route fails before the body is read
+        raw, body = await read_payload(request, limit)
+        if target is None:
+            target = target_from_body(body)
+        path = TARGET_PATHS[target]
+        request.state.invocation_target = path
+        runtime.metrics.invocation_targets.labels(path).inc()
+        if target == "decision":
+            return await handle_decision(runtime, request, raw)
+        return await handle_chat(runtime, request, body)
+
+    async def systemone(request: Request) -> Response:
+        raw, _ = await read_payload(request, limit)
+        return await handle_decision(runtime, request, raw)
+
+    async def chat_completions(request: Request) -> Response:
+        _, body = await read_payload(request, limit)
+        return await handle_chat(runtime, request, body)
+
+    async def models(request: Request) -> Response:
+        engine = runtime.require_engine()
+        info = engine.model_info
+        details = info.model_dump(mode="json") if hasattr(info, "model_dump") else dict(vars(info))
+        created = int(runtime.loaded_at or time.time())
+        description = (
+            f"{info.name} ({info.quantization}, sha256 {info.sha256[:12]}), typed decisions and chat"
+        )
+        return JSONResponse(
+            {
+                # OpenAI shape (openai SDK `models.list()`), with the model's details alongside.
+                "object": "list",
+                "data": [
+                    {**details, "id": info.id, "object": "model", "created": created, "owned_by": "decider"}
+                ],
+                # Jev / SemIf shape (typesafe-sdk `models.list()`).
+                "models": [
+                    {
+                        "name": info.id,
+                        "description": description,
+                        "release_date": dt.datetime.fromtimestamp(created, dt.UTC).date().isoformat(),
+                    }
+                ],
+            }
+        )
+
+    async def metrics(request: Request) -> Response:
+        content, media_type = runtime.metrics.render()
+        return Response(content, media_type=media_type)
+
+    routes = [
+        Route("/ping", ping, methods=["GET"]),
+        Route("/invocations", invocations, methods=["POST"]),
+        Route("/v1/systemone", systemone, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(RequestContextMiddleware, runtime=runtime)],
+        exception_handlers={
+            DeciderError: _on_decider_error,
+            HTTPException: _on_http_exception,
+            ClientDisconnectedError: _on_client_disconnected,
+        },
+    )
+    app.state.runtime = runtime
+    return app

@@ -1,0 +1,85 @@
+"""Prometheus metrics of one server instance (own registry, so several apps can coexist in tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# Paths that get their own label value; anything else is "other" so that scanners and fuzzers
+# cannot blow up the label cardinality.
+KNOWN_ROUTES = frozenset(
+    {"/ping", "/invocations", "/v1/systemone", "/v1/chat/completions", "/v1/models", "/metrics"}
+)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 120)
+
+
+def route_label(path: str) -> str:
+    return path if path in KNOWN_ROUTES else "other"
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series only add noise to scrapes
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "decider_http_requests", "HTTP requests by route and status.", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "decider_http_request_duration_seconds",
+            "Time from request start to the end of the response body.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.invocation_targets = Counter(
+            "decider_invocations",
+            "/invocations requests by the route they were dispatched to.",
+            ["target"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "decider_queue_depth", "Admitted requests waiting for the model.", registry=r
+        )
+        self.engine_busy = Gauge(
+            "decider_engine_busy", "1 while the model is working on a request.", registry=r
+        )
+        self.queue_wait = Histogram(
+            "decider_queue_wait_seconds",
+            "Time admitted requests waited for the model.",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.engine_seconds = Histogram(
+            "decider_engine_duration_seconds",
+            "Time the model spent on one request.",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "decider_admission_rejections",
+            "Requests refused by admission control, by code.",
+            ["code"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "decider_tokens",
+            "Tokens processed, by kind (decision_input, prompt, completion).",
+            ["kind"],
+            registry=r,
+        )
+        self.model_ready = Gauge(
+            "decider_model_ready", "1 once the model is loaded and verified.", registry=r
+        )
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

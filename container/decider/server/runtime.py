@@ -1,0 +1,121 @@
+"""The server's model state: loading in the background, ready, failed or stopping.
+
+The HTTP server listens at once (SageMaker expects connections within 250 ms) while the model
+loads on the engine thread. `/ping` turns 200 only after the load, which includes the engine's
+slot verification, has succeeded. A load failure is fatal: it is logged as one line and the
+process exits non-zero (see `decider.cli`), so a broken model never reports healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+from decider.errors import StartupError, UnavailableError
+from decider.server.admission import Scheduler
+from decider.server.metrics import ServerMetrics
+from decider.settings import Settings
+
+log = logging.getLogger("decider.server")
+
+State = Literal["loading", "ready", "failed", "stopping"]
+
+
+class Engine(Protocol):
+    """What the server uses of `decider.engine.DecisionEngine` (see CONVENTIONS.md)."""
+
+    model_info: Any
+
+    def decide(self, request: Any, **kwargs: Any) -> Any: ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def generate(self, messages: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+
+EngineLoader = Callable[[Settings], Engine]
+
+
+def load_engine(settings: Settings) -> Engine:
+    """The production loader: register llama.cpp backends, then load and verify the GGUF."""
+    from decider.engine import DecisionEngine
+    from decider.server.ggml_backends import ensure_backends
+
+    ensure_backends()
+    return DecisionEngine.load(settings)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for the start-up failure log."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, StartupError | FileNotFoundError | PermissionError | ValueError):
+        return text
+    return f"{type(exc).__name__}: {text}"
+
+
+class ServerRuntime:
+    def __init__(self, settings: Settings, *, loader: EngineLoader = load_engine) -> None:
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(
+            queue_size=settings.queue_size, deadline_seconds=settings.deadline_seconds, metrics=self.metrics
+        )
+        self._loader = loader
+        self.state: State = "loading"
+        self.engine: Engine | None = None
+        self.failure: str | None = None
+        self.loaded_at: float | None = None
+
+    def start_loading(self, on_fatal: Callable[[str], None]) -> asyncio.Future[None]:
+        """Load the model on the engine thread; on failure call `on_fatal(one_line)` on the loop."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+
+        def load() -> None:
+            try:
+                engine = self._loader(self.settings)
+            except BaseException as exc:  # everything here is fatal: report it as one line
+                self.state = "failed"
+                self.failure = describe_failure(exc)
+                log.debug("model load failed", exc_info=True)
+                loop.call_soon_threadsafe(on_fatal, self.failure)
+                return
+            if self.state == "stopping":
+                return
+            self.engine = engine
+            self.loaded_at = time.time()
+            self.state = "ready"
+            self.metrics.model_ready.set(1)
+            log.info("model ready: %s (loaded in %.1f s)", engine.model_info.id, time.monotonic() - started)
+
+        return asyncio.wrap_future(self.scheduler.submit_unscheduled(load))
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self.engine is not None
+
+    def require_engine(self) -> Engine:
+        if self.state == "ready" and self.engine is not None:
+            return self.engine
+        if self.state == "stopping":
+            raise UnavailableError(
+                "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"}
+            )
+        if self.state == "failed":
+            raise UnavailableError(f"the model failed to load: {self.failure}", code="model_unavailable")
+        raise UnavailableError(
+            "the model is still loading", code="model_unavailable", headers={"Retry-After": "2"}
+        )
+
+    def served_model_id(self) -> str:
+        return self.require_engine().model_info.id
+
+    def stop(self) -> None:
+        self.state = "stopping"
+        self.metrics.model_ready.set(0)
+        self.scheduler.close()

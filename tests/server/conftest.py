@@ -1,0 +1,24 @@
+"""Fixtures for the server tests: the real `serve` process on the real bundled model.
+
+One server is shared by the whole session (`live_server`); tests that need other settings
+(a tiny queue, a short deadline, a start-up failure, SIGTERM) start their own with
+`tools.local_server`. The live servers use one inference thread: on this 2-core machine that
+leaves a core for the HTTP loop and the test clients, and keeps timings steady when other work
+shares the machine (with OpenMP threads oversubscribed, llama.cpp slows down many times over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tools.local_server import LocalServer, run_local_server
+
+LIVE_ENV = {"DECIDER_N_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LocalServer]:
+    with run_local_server(LIVE_ENV) as server:
+        yield server

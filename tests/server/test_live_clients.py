@@ -1,0 +1,207 @@
+"""Real clients against the real server on the real model: openai SDK, typesafe-sdk, raw SageMaker
+calls, and several clients at once."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import typesafe_sdk
+from server_helpers import CHAT, DECISION, assert_error_body
+from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
+
+from tools.local_server import LocalServer
+
+pytestmark = [pytest.mark.server, pytest.mark.model]
+CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+
+
+def _openai(server: LocalServer) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key="unused-locally", max_retries=0, timeout=60
+    )
+
+
+def _served_id(server: LocalServer) -> str:
+    return httpx.get(f"{server.base_url}/ping").json()["model"]
+
+
+def test_openai_sdk_chat(live_server: LocalServer) -> None:
+    completion = _openai(live_server).chat.completions.create(
+        model="whatever-the-caller-likes",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        temperature=0.7,
+        top_p=0.9,
+        seed=42,
+        stop=["\n\n"],
+    )
+    assert completion.model == _served_id(live_server)
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in {"stop", "length"}
+    assert completion.usage is not None
+    assert 0 < completion.usage.completion_tokens <= 8
+    assert (
+        completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+    )
+
+
+def test_openai_sdk_chat_is_deterministic_with_a_seed(live_server: LocalServer) -> None:
+    client = _openai(live_server)
+    texts = {
+        client.chat.completions.create(model="m", messages=CHAT["messages"], max_tokens=6, seed=11)
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    }
+    assert len(texts) == 1
+
+
+def test_openai_sdk_streaming(live_server: LocalServer) -> None:
+    stream = _openai(live_server).chat.completions.create(
+        model="m",
+        messages=CHAT["messages"],
+        max_tokens=8,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens <= 8
+    plain = _openai(live_server).chat.completions.create(
+        model="m", messages=CHAT["messages"], max_tokens=8, seed=3
+    )
+    assert text == plain.choices[0].message.content
+
+
+def test_openai_sdk_models_and_errors(live_server: LocalServer) -> None:
+    client = _openai(live_server)
+    (model,) = client.models.list().data
+    assert model.id == _served_id(live_server)
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        client.chat.completions.create(model="m", messages=CHAT["messages"], max_tokens=100_000)
+    assert refused.value.code == "max_tokens_too_large"
+
+
+def test_typesafe_sdk_noul_choice_score(live_server: LocalServer) -> None:
+    with TypeSafeClient(api_key="local-test", base_url=live_server.base_url, timeout=60) as client:
+        result = client.system_one(
+            state=DECISION["state"],
+            questions={
+                "refund": Noul(instructions="Does the customer ask for a refund?"),
+                "team": Choice(
+                    instructions="Which team should handle this?",
+                    criteria={
+                        "billing": "Payments and refunds",
+                        "technical": "Bugs and outages",
+                        "sales": None,
+                    },
+                ),
+                "anger": Score(
+                    instructions="How upset is the customer?", criteria=["calm", "annoyed", "furious"]
+                ),
+            },
+        )
+        listed = client.models.list()
+    served = _served_id(live_server)
+    assert result.model == served
+    assert 0.0 <= result.nouls["refund"].noul <= 1.0
+    team = result.choices["team"]
+    assert team.choice in {"billing", "technical", "sales"}
+    assert sum(team.probabilities.values()) == pytest.approx(1.0)
+    anger = result.scores["anger"]
+    assert 0.0 <= anger.score <= 2.0
+    assert set(anger.probabilities) == {0, 1, 2}
+    assert result.usage.output_tokens == 0
+    assert result.request_id
+    assert [m.name for m in listed.models] == [served]
+
+
+def test_typesafe_sdk_sees_typed_errors(live_server: LocalServer) -> None:
+    with (
+        TypeSafeClient(api_key="local-test", base_url=live_server.base_url, timeout=60) as client,
+        pytest.raises(typesafe_sdk.TypeSafeUnprocessableEntityError) as refused,
+    ):
+        too_many = {f"option {i}": None for i in range(65)}  # DECIDER_MAX_OPTIONS defaults to 64
+        client.system_one(state="s", questions={"q": Choice(instructions="?", criteria=too_many)})
+    assert "65" in str(refused.value)
+
+
+def test_invocations_without_custom_attributes(live_server: LocalServer) -> None:
+    decision = httpx.post(f"{live_server.base_url}/invocations", json=DECISION, timeout=60)
+    assert decision.status_code == 200, decision.text
+    assert set(decision.json()["answers"]) == set(DECISION["questions"])
+    chat = httpx.post(f"{live_server.base_url}/invocations", json=CHAT, timeout=60)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["object"] == "chat.completion"
+    for response, route in ((decision, "/v1/systemone"), (chat, "/v1/chat/completions")):
+        attributes = dict(item.split("=", 1) for item in response.headers[CUSTOM_ATTRIBUTES].split(","))
+        assert attributes["route"] == route
+        assert len(attributes["request_id"]) == 32
+        assert 0 <= int(attributes["duration_ms"]) < 60_000
+
+
+def test_invocations_with_custom_attributes(live_server: LocalServer) -> None:
+    url = f"{live_server.base_url}/invocations"
+    body = json.dumps(DECISION).encode()  # as boto3 sends it: bytes, no content type of its own
+    decision = httpx.post(url, content=body, headers={CUSTOM_ATTRIBUTES: "route=/v1/systemone"}, timeout=60)
+    assert decision.status_code == 200, decision.text
+    assert decision.json()["model"] == _served_id(live_server)
+    streamed = httpx.post(
+        url,
+        json={**CHAT, "stream": True},
+        headers={CUSTOM_ATTRIBUTES: "route=/v1/chat/completions"},
+        timeout=60,
+    )
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    wrong = httpx.post(url, json=DECISION, headers={CUSTOM_ATTRIBUTES: "route=/v1/embeddings"}, timeout=60)
+    assert wrong.status_code == 404
+    assert_error_body(wrong.json(), "unknown_route")
+    mismatched = httpx.post(
+        url, json=DECISION, headers={CUSTOM_ATTRIBUTES: "route=/v1/chat/completions"}, timeout=60
+    )
+    assert mismatched.status_code == 422  # a decision body sent to the chat route
+    assert_error_body(mismatched.json())
+
+
+def test_decision_extensions_are_opt_in(live_server: LocalServer) -> None:
+    plain = httpx.post(f"{live_server.base_url}/v1/systemone", json=DECISION, timeout=60).json()
+    assert "extensions" not in plain
+    assert all("extensions" not in answer for answer in plain["answers"].values())
+    extended = httpx.post(
+        f"{live_server.base_url}/v1/systemone", json={**DECISION, "extensions": True}, timeout=60
+    ).json()
+    assert "option_logits" in extended["answers"]["team"]["extensions"]
+
+
+def test_several_concurrent_clients_without_errors(live_server: LocalServer) -> None:
+    def decision_client(i: int) -> list[int]:
+        with httpx.Client(base_url=live_server.base_url, timeout=120) as client:
+            body = {**DECISION, "state": f"{DECISION['state']} (ticket {i})"}
+            return [client.post("/invocations", json=body).status_code]
+
+    def chat_client(i: int) -> list[int]:
+        client = _openai(live_server)
+        for _ in range(2):
+            client.chat.completions.create(model="m", messages=CHAT["messages"], max_tokens=4, seed=i)
+        return [200, 200]
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = [pool.submit(decision_client, i) for i in range(4)] + [
+            pool.submit(chat_client, i) for i in range(2)
+        ]
+        statuses = [status for future in futures for status in future.result()]
+    assert statuses == [200] * 8
+    assert httpx.get(f"{live_server.base_url}/ping").status_code == 200

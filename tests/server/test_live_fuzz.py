@@ -1,0 +1,148 @@
+"""Property-based fuzzing of request bodies and headers against the real server: whatever is
+sent, the answer is never a 5xx, every error has the error body, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_helpers import CHAT, DECISION, assert_error_body
+
+from tools.local_server import LocalServer
+
+pytestmark = [pytest.mark.server, pytest.mark.model]
+
+PATHS = ("/invocations", "/v1/systemone", "/v1/chat/completions")
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+question_types = st.sampled_from(["noul", "choice", "score", "box", "", "NOUL"]) | json_scalars
+questions = st.dictionaries(
+    st.text(max_size=10),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "type": question_types,
+            "instructions": json_values,
+            "criteria": json_values | st.lists(st.text(max_size=8), max_size=5),
+        },
+    )
+    | json_values,
+    max_size=3,
+)
+decisions = st.fixed_dictionaries(
+    {},
+    optional={
+        "state": json_values,
+        "questions": questions | json_values,
+        "model": json_values,
+        "extensions": json_values,
+        "permutations": st.integers(-3, 40) | json_values,
+        "mode": st.sampled_from(["shared", "fresh", "other"]) | json_values,
+    },
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "robot"])
+            | json_scalars,
+            "content": st.text(max_size=30) | json_values,
+        },
+    )
+    | json_values,
+    max_size=3,
+)
+chats = st.fixed_dictionaries(
+    {},
+    optional={
+        "messages": messages | json_values,
+        "max_tokens": st.integers(-5, 3) | st.integers(2000, 2**40) | json_scalars,
+        "temperature": st.floats(-1, 3) | json_scalars,
+        "top_p": st.floats(-1, 2) | json_scalars,
+        "stop": st.lists(st.text(max_size=4), max_size=6) | json_scalars,
+        "seed": st.integers(-(2**70), 2**70) | json_scalars,
+        "stream": st.booleans() | json_scalars,
+        "n": st.integers(-1, 3) | json_scalars,
+    },
+)
+raw_bodies = st.binary(max_size=300) | st.text(max_size=200).map(str.encode)
+bodies = decisions.map(json.dumps).map(str.encode) | chats.map(json.dumps).map(str.encode) | raw_bodies
+content_types = st.sampled_from(
+    [None, "application/json", "text/plain", "application/xml", "multipart/form-data", ";;"]
+)
+attributes = st.sampled_from(
+    [
+        None,
+        "route=/v1/systemone",
+        "route=/v1/chat/completions",
+        "route=/v1/embeddings",
+        "route=",
+        "=,=,",
+        "route=/ping",
+    ]
+) | st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=40)
+
+
+def _short(body: bytes) -> bytes:
+    """Keep real generations short: a valid chat body gets max_tokens at most 3."""
+    try:
+        value: Any = json.loads(body)
+    except ValueError:
+        return body
+    if isinstance(value, dict) and "messages" in value and not isinstance(value.get("max_tokens"), int):
+        value["max_tokens"] = 2
+    return json.dumps(value).encode()
+
+
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,
+)
+@given(
+    path=st.sampled_from(PATHS),
+    body=bodies,
+    content_type=content_types,
+    custom_attributes=attributes,
+)
+def test_bad_bodies_never_get_a_5xx(
+    live_server: LocalServer, path: str, body: bytes, content_type: str | None, custom_attributes: str | None
+) -> None:
+    headers = {}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    if custom_attributes is not None:
+        headers["X-Amzn-SageMaker-Custom-Attributes"] = custom_attributes
+    response = httpx.post(f"{live_server.base_url}{path}", content=_short(body), headers=headers, timeout=60)
+    assert response.status_code < 500, (response.status_code, response.text)
+    if response.status_code >= 400:
+        assert_error_body(response.json())
+    elif "text/event-stream" in response.headers.get("content-type", ""):
+        assert response.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert isinstance(response.json(), dict)
+
+
+def test_server_still_serves_after_fuzzing(live_server: LocalServer) -> None:
+    assert live_server.process.poll() is None
+    assert live_server.ping() == 200
+    assert httpx.post(f"{live_server.base_url}/invocations", json=DECISION, timeout=60).status_code == 200
+    assert httpx.post(f"{live_server.base_url}/invocations", json=CHAT, timeout=60).status_code == 200
+    assert "Traceback" not in live_server.logs()

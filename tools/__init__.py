@@ -1,0 +1,1 @@
+"""Command-line tools that work on the decider stack from outside the container."""
