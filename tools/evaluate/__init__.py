@@ -1,0 +1,1 @@
+"""decide-eval: quality, calibration and latency of a decision endpoint (see cli.py)."""
