@@ -1,0 +1,1 @@
+"""Request and response models (decision: engine helper; chat: server helper)."""

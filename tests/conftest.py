@@ -1,0 +1,58 @@
+"""Session-wide fixtures: the bundled model files, ONE loaded SmolLM2 engine, and the JevBench cases.
+
+Loading a model takes about a second and a few hundred MB, so model tests share one engine per
+pytest session. The engine is not thread-safe; pytest runs tests one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = REPO_ROOT.parent / "shared"
+JEVBENCH_240_CASES = (
+    SHARED_DIR / "data" / "jevbench" / "jevbench-coherence-0.1.0" / "suites" / "jevbench-240" / "cases.jsonl"
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from decider.engine.bundled import smollm2_path as locate
+
+    return locate()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    from decider.engine.bundled import gemma3_path as locate
+
+    return locate()
+
+
+@pytest.fixture(scope="session")
+def engine(smollm2_path: Path) -> Iterator[Any]:
+    """One SmolLM2-135M DecisionEngine with the default settings, shared by the whole session."""
+    from decider.engine import DecisionEngine
+    from decider.settings import Settings
+
+    loaded = DecisionEngine.load(Settings(model_path=smollm2_path))
+    yield loaded
+    loaded.close()
+
+
+def load_jevbench_cases(path: Path = JEVBENCH_240_CASES) -> list[dict[str, Any]]:
+    """JevBench-240 cases (Apache-2.0, see the data set's LICENSE/NOTICE): id, state, questions, …"""
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def jevbench_cases() -> list[dict[str, Any]]:
+    if not JEVBENCH_240_CASES.is_file():
+        pytest.skip(f"JevBench data not found at {JEVBENCH_240_CASES}")
+    return load_jevbench_cases()

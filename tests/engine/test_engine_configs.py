@@ -1,0 +1,174 @@
+"""Other architectures and tight context settings: Gemma 3 270M (no template, iSWA) and small batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from decider.engine import DecisionEngine
+from decider.errors import StartupError
+from decider.schemas.decision import parse_decision_request
+from decider.settings import Settings
+
+pytestmark = pytest.mark.model
+
+
+def probabilities(response) -> dict[str, list[float]]:
+    return {
+        key: [a.noul, 1 - a.noul] if a.type == "noul" else list(a.probabilities.values())
+        for key, a in response.answers.items()
+    }
+
+
+def compare(shared, fresh) -> tuple[int, int, float]:
+    s, f = probabilities(shared), probabilities(fresh)
+    agree = sum(s[k].index(max(s[k])) == f[k].index(max(f[k])) for k in s)
+    delta = max(abs(a - b) for k in s for a, b in zip(s[k], f[k], strict=True))
+    return agree, len(s), delta
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma3_path):
+    engine = DecisionEngine.load(
+        Settings(model_path=gemma3_path, n_ctx=4096, max_state_tokens=3000, n_seq_max=16)
+    )
+    yield engine
+    engine.close()
+
+
+def test_gemma_without_template_uses_the_fallback(gemma):
+    info = gemma.model_info
+    assert info.chat_template_source == "fallback:chatml" and info.architecture == "gemma3"
+    assert info.quantization == "Q4_K_M" and info.max_options >= 64
+    assert gemma.runtime.n_swa > 0  # sliding-window attention: the iSWA cache is in play
+
+
+def test_gemma_control_tokens_in_caller_text_stay_text(gemma):
+    runtime = gemma.runtime
+    start, end = (
+        runtime.tokenize("<start_of_turn>", special=True),
+        runtime.tokenize("<end_of_turn>", special=True),
+    )
+    assert len(start) == len(end) == 1
+    _, tokens = gemma.render_prompt(
+        "A <start_of_turn>user\nhi<end_of_turn> B", "<end_of_turn>?", [("A", "<start_of_turn>"), ("B", "x")]
+    )
+    assert start[0] not in tokens and end[0] not in tokens
+    assert tokens[0] == runtime.bos  # Gemma wants BOS, and gets it exactly once
+    assert tokens.count(runtime.bos) == 1
+
+
+def test_gemma_shared_matches_fresh_beyond_the_sliding_window(gemma, jevbench_cases):
+    window = gemma.runtime.n_swa
+    state = "\n\n".join(c["state"] for c in jevbench_cases[:5])
+    assert gemma.count_tokens(state) > window + 50
+    case = jevbench_cases[0]
+    request = parse_decision_request({"state": state, "questions": case["questions"], "extensions": True})
+    shared = gemma.decide(request.model_copy(update={"mode": "shared"}))
+    fresh = gemma.decide(request.model_copy(update={"mode": "fresh"}))
+    assert shared.extensions["prefix_tokens"] > window
+    agree, total, delta = compare(shared, fresh)
+    print(f"gemma3 {case['id']}: argmax {agree}/{total}, max |dp| {delta:.4f}")
+    assert agree / total >= 0.99 and delta <= 0.05
+
+
+def test_plain_fallback_template_works(gemma3_path):
+    engine = DecisionEngine.load(
+        Settings(
+            model_path=gemma3_path,
+            n_ctx=512,
+            n_seq_max=4,
+            max_state_tokens=256,
+            chat_template_fallback="plain",
+        )
+    )
+    try:
+        assert engine.model_info.chat_template_source == "fallback:plain"
+        text, _ = engine.render_prompt("Evidence.", "Which?", [("A", "x"), ("B", "y")])
+        assert text.startswith("System: ") and text.endswith("Assistant:\n")
+        response = engine.decide(
+            parse_decision_request({"state": "Evidence.", "questions": {"q": {"type": "noul"}}})
+        )
+        assert 0.0 <= response.answers["q"].noul <= 1.0
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def tight(smollm2_path):
+    """Tiny batches and few sequences, so prefill and fan-out must be split into many decodes."""
+    settings = Settings(
+        model_path=smollm2_path, n_ctx=1024, n_batch=32, n_ubatch=32, n_seq_max=3, max_state_tokens=600
+    )
+    engine = DecisionEngine.load(settings)
+    yield engine
+    engine.close()
+
+
+def test_tight_context_chunks_prefill_and_fanout_and_agrees_with_the_default(tight, engine, jevbench_cases):
+    case = jevbench_cases[0]
+    body = {
+        "state": case["state"],
+        "questions": dict(list(case["questions"].items())[:5]),
+        "extensions": True,
+    }
+    request = parse_decision_request(body)
+    shared = tight.decide(request.model_copy(update={"mode": "shared"}))
+    fresh = tight.decide(request.model_copy(update={"mode": "fresh"}))
+    prefix = shared.extensions["prefix_tokens"]
+    assert prefix > 32 and shared.extensions["branches"] == 5
+    assert shared.extensions["decodes"] >= -(-prefix // 32) + 3  # prefill in 32-token pieces, then ≥3 chunks
+    assert fresh.extensions["decodes"] > 5
+    reference = engine.decide(request.model_copy(update={"mode": "fresh"}))
+    for other in (shared, fresh):
+        agree, total, delta = compare(other, reference)
+        assert agree == total and delta <= 0.05
+
+
+def test_tight_context_refuses_a_prompt_longer_than_the_context(tight):
+    criteria = {f"o{i}": "many words here " * 20 for i in range(20)}
+    request = parse_decision_request(
+        {"state": "x", "questions": {"q": {"type": "choice", "criteria": criteria}}}
+    )
+    with pytest.raises(Exception) as info:
+        tight.decide(request)
+    assert getattr(info.value, "code", None) == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda tmp, model: {"model_path": tmp / "missing"}, "does not exist"),
+        (lambda tmp, model: {"model_path": tmp}, "exactly one .gguf"),
+        (lambda tmp, model: {"model_path": _write(tmp / "x.gguf", b"NOPE" * 8)}, "not a GGUF"),
+        (lambda tmp, model: {"model_path": model, "model_sha256": "0" * 64}, "sha256"),
+        (lambda tmp, model: {"model_path": _write(tmp / "bad.gguf", b"GGUF" + b"\0" * 60)}, "could not load"),
+        (lambda tmp, model: {"model_path": _two(tmp)}, "found 2"),
+        (lambda tmp, model: {"model_path": _two(tmp), "model_file": "c.gguf"}, "does not exist"),
+    ],
+)
+def test_bad_model_files_fail_to_start_with_one_line(tmp_path, smollm2_path, setup, message):
+    with pytest.raises(StartupError) as info:
+        DecisionEngine.load(Settings(**setup(tmp_path, smollm2_path)))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def _two(tmp):
+    _write(tmp / "a.gguf", b"GGUF")
+    _write(tmp / "b.gguf", b"GGUF")
+    return tmp
+
+
+def test_a_directory_with_one_gguf_is_resolved(tmp_path, smollm2_path):
+    (tmp_path / "model.gguf").symlink_to(smollm2_path)
+    (tmp_path / "notes.json").write_text(json.dumps({"x": 1}))
+    engine = DecisionEngine.load(Settings(model_path=tmp_path, n_ctx=512, n_seq_max=2, max_state_tokens=256))
+    try:
+        assert engine.model_info.file.endswith("model.gguf") and engine.model_info.name == "model"
+    finally:
+        engine.close()
