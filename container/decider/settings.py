@@ -155,9 +155,6 @@ class Settings(BaseSettings):
             value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            else:
-                text = str(value)
+            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
             env[self.env_name(name)] = text
         return env
