@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server eval clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server clean
 
 setup: $(STAMP) node_modules/.installed
 
