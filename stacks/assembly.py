@@ -10,14 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aws_cdk import App, Environment, Stack, Validations
+from aws_cdk import App, Environment, Validations
 from cdk_nag import AwsSolutionsChecks
 
 from stacks.config import AppConfig, load_config
 from stacks.endpoint_stack import EndpointStack
 from stacks.image_stack import ImageStack
-
-STACK_IDS = ("ImageStack", "CpuStack", "GpuStack")
 
 
 @dataclass
@@ -28,12 +26,8 @@ class DeciderApp:
     cpu: EndpointStack
     gpu: EndpointStack
 
-    @property
-    def stacks(self) -> dict[str, Stack]:
-        return {"ImageStack": self.image, "CpuStack": self.cpu, "GpuStack": self.gpu}
 
-
-def build_app(app: App | None = None, *, nag: bool = True) -> DeciderApp:
+def build_app(app: App | None = None) -> DeciderApp:
     """Create the three stacks in `app` (default: a fresh App reading the CLI's context).
 
     The config is validated first; a bad value raises `stacks.config.ConfigError` before any
@@ -66,6 +60,5 @@ def build_app(app: App | None = None, *, nag: bool = True) -> DeciderApp:
         env=env,
         description=f"{description} (GPU endpoint)",
     )
-    if nag:
-        Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
+    Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
     return DeciderApp(app=app, config=config, image=image, cpu=cpu, gpu=gpu)

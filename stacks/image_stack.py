@@ -175,6 +175,8 @@ class BuildProjects(Construct):
             ),
         )
         repository.grant_pull_push(self.image)
+        # image.yml reads the pushed digest back (and finds an existing tag) with describe-images.
+        repository.grant(self.image, "ecr:DescribeImages")
         grant_source_read(self.image, source)
         acknowledge(
             self.image,
@@ -269,16 +271,20 @@ class BuildProvider(Construct):
 
         on_event = handler("OnEvent", "on_event", Duration.minutes(1))
         is_complete = handler("IsComplete", "is_complete", Duration.minutes(1))
+        project_arns = [projects.image.project_arn, projects.model.project_arn]
+        # on_event finds an existing image or model, else starts a build; is_complete polls (or stops) it.
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(actions=["codebuild:StartBuild"], resources=project_arns)
+        )
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(actions=["ecr:DescribeImages"], resources=[repository.repository_arn])
+        )
+        is_complete.add_to_role_policy(
+            iam.PolicyStatement(
+                actions=["codebuild:BatchGetBuilds", "codebuild:StopBuild"], resources=project_arns
+            )
+        )
         for function in (on_event, is_complete):
-            function.add_to_role_policy(
-                iam.PolicyStatement(
-                    actions=["codebuild:StartBuild", "codebuild:BatchGetBuilds", "codebuild:StopBuild"],
-                    resources=[projects.image.project_arn, projects.model.project_arn],
-                )
-            )
-            function.add_to_role_policy(
-                iam.PolicyStatement(actions=["ecr:DescribeImages"], resources=[repository.repository_arn])
-            )
             grant_models_access(function, artifacts, write=False)
         provider_logs = logs.LogGroup(
             self, "ProviderLogs", retention=log_retention, removal_policy=RemovalPolicy.DESTROY

@@ -31,7 +31,7 @@ def cdk_json_context(path: Path = CDK_JSON) -> dict[str, Any]:
     return dict(json.loads(path.read_text(encoding="utf-8")).get("context", {}))
 
 
-def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None, *, nag: bool = True):
+def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None):
     """Build and synthesize the app into `outdir`; returns (DeciderApp, CloudAssembly).
 
     Raises stacks.config.ConfigError for invalid configuration, and the CDK's validation error when
@@ -44,7 +44,7 @@ def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None, 
     merged = {**cdk_json_context(), **CLI_CONTEXT, **dict(context or {})}
     outdir.mkdir(parents=True, exist_ok=True)
     app = App(outdir=str(outdir), context=merged, analytics_reporting=False)
-    decider = build_app(app, nag=nag)
+    decider = build_app(app)
     return decider, app.synth()
 
 

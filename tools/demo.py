@@ -24,13 +24,13 @@ from rich.console import Console
 from rich.table import Table
 
 from tools.evaluate import cli as decide_eval
+from tools.evaluate.cases import JEVBENCH_240_CASES, JEVBENCH_DIR
 from tools.evaluate.targets import CUSTOM_ATTRIBUTES
 from tools.local_server import run_local_server
 
 REPO = Path(__file__).resolve().parent.parent
-JEVBENCH = REPO.parent / "shared" / "data" / "jevbench" / "jevbench-coherence-0.1.0"
-DEFAULT_CASES = JEVBENCH / "suites" / "jevbench-240" / "cases.jsonl"
-DEFAULT_GOLD = JEVBENCH / "data" / "gold.jsonl"
+DEFAULT_CASES = JEVBENCH_240_CASES
+DEFAULT_GOLD = JEVBENCH_DIR / "data" / "gold.jsonl"
 DEFAULT_LIMIT = 12
 DEFAULT_MAX_SECONDS = 150.0  # time box for the evaluation step: "a few minutes here at most"
 DEFAULT_OUT = REPO / "runs" / "demo"

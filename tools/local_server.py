@@ -92,10 +92,22 @@ class LocalServer:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
+            except BaseException as exc:  # the drain timed out, or the wait was interrupted (a second Ctrl-C)
                 self.process.kill()
                 self.process.wait()
+                if not isinstance(exc, subprocess.TimeoutExpired):
+                    raise
         return self.process.returncode
+
+
+def server_environment(env: dict[str, str] | None, *, port: int, host: str) -> dict[str, str]:
+    """This process's environment plus `env`, the bundled model unless one is set, the port and the host."""
+    environment = {**os.environ, **(env or {})}
+    if "DECIDER_MODEL_PATH" not in environment:
+        environment["DECIDER_MODEL_PATH"] = default_model_path()
+    environment["SAGEMAKER_BIND_TO_PORT"] = str(port)
+    environment["DECIDER_HOST"] = host
+    return environment
 
 
 def start_local_server(
@@ -103,12 +115,7 @@ def start_local_server(
 ) -> LocalServer:
     """Start the server process without waiting for it to become ready."""
     port = port or free_port(host)
-    environment = dict(os.environ)
-    environment.update(env or {})
-    if "DECIDER_MODEL_PATH" not in environment:
-        environment["DECIDER_MODEL_PATH"] = default_model_path()
-    environment["SAGEMAKER_BIND_TO_PORT"] = str(port)
-    environment["DECIDER_HOST"] = host
+    environment = server_environment(env, port=port, host=host)
     environment.setdefault("PYTHONUNBUFFERED", "1")
     log_file = tempfile.NamedTemporaryFile(prefix="decider-server-", suffix=".log", delete=False)  # noqa: SIM115
     process = subprocess.Popen(
@@ -143,12 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--host", default=DEFAULT_HOST)
     args = parser.parse_args(argv)
-    environment = dict(os.environ)
-    if "DECIDER_MODEL_PATH" not in environment:
-        environment["DECIDER_MODEL_PATH"] = default_model_path()
-    environment["SAGEMAKER_BIND_TO_PORT"] = str(args.port)
-    environment["DECIDER_HOST"] = args.host
-    process = subprocess.Popen(serve_command(), env=environment)
+    process = subprocess.Popen(serve_command(), env=server_environment(None, port=args.port, host=args.host))
     try:
         return process.wait()
     except KeyboardInterrupt:

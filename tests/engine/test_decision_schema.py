@@ -16,28 +16,11 @@ from decider.schemas.decision import (
     parse_decision_request,
     parse_decision_request_bytes,
 )
+from engine_helpers import EXAMPLE
 from typesafe_sdk import Choice, Noul, Score
 from typesafe_sdk._core.json import serialize
 from typesafe_sdk._core.questions import normalize_questions
 from typesafe_sdk._core.response_types import SystemOneResponse
-
-EXAMPLE = {
-    "model": "jev-latest",
-    "state": "Payouts failing for 3 days, losing sales!",
-    "questions": {
-        "team": {
-            "type": "choice",
-            "instructions": "Which team owns this?",
-            "criteria": {"billing": "Payments, refunds", "technical": "Bugs, outages", "sales": None},
-        },
-        "anger": {
-            "type": "score",
-            "instructions": "How frustrated?",
-            "criteria": ["Calm", "Civil", "Very angry"],
-        },
-        "refund": {"type": "noul", "instructions": "Is money back requested?"},
-    },
-}
 
 
 def with_question(question, key="q", **top):

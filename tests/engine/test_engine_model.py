@@ -11,26 +11,9 @@ import pytest
 from decider.engine.bundled import SMOLLM2_SHA256
 from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.decision import DecisionResponse, parse_decision_request
+from engine_helpers import EXAMPLE
 
 pytestmark = pytest.mark.model
-
-EXAMPLE = {
-    "model": "jev-latest",
-    "state": "Payouts failing for 3 days, losing sales!",
-    "questions": {
-        "team": {
-            "type": "choice",
-            "instructions": "Which team owns this?",
-            "criteria": {"billing": "Payments, refunds", "technical": "Bugs, outages", "sales": None},
-        },
-        "anger": {
-            "type": "score",
-            "instructions": "How frustrated?",
-            "criteria": ["Calm", "Civil", "Very angry"],
-        },
-        "refund": {"type": "noul", "instructions": "Is money back requested?"},
-    },
-}
 
 
 def decide(engine, body, **extra) -> DecisionResponse:

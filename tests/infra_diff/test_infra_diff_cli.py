@@ -105,6 +105,14 @@ def test_errors_exit_2_with_a_message(repo, tmp_path, capsys):
     assert cli.main(["--repo", str(repo), "--base", "no-such-rev"]) == cli.EXIT_ERROR
     assert "not found" in capsys.readouterr().err
     assert cli.main(["--repo", str(repo), "--baseline", str(tmp_path / "nothing")]) == cli.EXIT_ERROR
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "baseline.json").write_text('{"stacks": ["CpuStack"]}')  # its template is missing
+    assert cli.main(["--repo", str(repo), "--baseline", str(broken)]) == cli.EXIT_ERROR
+    assert "not a readable baseline" in capsys.readouterr().err
+    argv = ["--repo", str(repo), "--base", "HEAD", "--stack", "CpuStak", "--fail-on-change"]
+    assert cli.main(argv) == cli.EXIT_ERROR
+    assert "unknown --stack CpuStak (stacks: CpuStack)" in capsys.readouterr().err
     (repo / "app.py").write_text("raise SystemExit('boom: bad config')\n")
     assert cli.main(["--repo", str(repo), "--base", "HEAD"]) == cli.EXIT_ERROR
     assert "boom: bad config" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import pytest
 from decider.server.app import create_app
 from decider.settings import Settings
 from server_fakes import FakeEngine
+from server_helpers import assert_error_body
 from starlette.testclient import TestClient
 
 DECISION = {
@@ -57,10 +58,7 @@ def client(fake_engine: FakeEngine) -> Iterator[TestClient]:
 def _error(response: Any, status: int, code: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"type", "code", "message", "param"}
-    assert body["error"]["code"] == code, body
-    assert body["error"]["message"]
+    assert_error_body(body, code)
     return body["error"]
 
 
@@ -219,6 +217,13 @@ def test_bad_bodies_get_clear_4xx(
 ) -> None:
     for path in ("/invocations", "/v1/systemone", "/v1/chat/completions"):
         _error(client.post(path, content=content, headers=headers), status, code)
+
+
+def test_duplicate_keys_are_refused_over_http(client: TestClient) -> None:
+    raw = b'{"state": "s", "questions": {"q": {"type": "noul"}, "q": {"type": "noul"}}}'
+    for path in ("/invocations", "/v1/systemone"):
+        error = _error(client.post(path, content=raw), 422, "duplicate_question")
+        assert error["param"] == "questions.q"
 
 
 def test_decision_limits_are_422_with_the_parameter(client: TestClient) -> None:

@@ -7,8 +7,7 @@ Snapshots make infrastructure changes readable in review: update them with
 from __future__ import annotations
 
 import pytest
-from conftest import run_synth
-from stack_helpers import STACKS
+from stack_helpers import STACKS, run_synth
 from syrupy.extensions.json import JSONSnapshotExtension
 
 pytestmark = pytest.mark.cdk

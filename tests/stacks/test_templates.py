@@ -145,6 +145,32 @@ def test_model_staging_project_verifies_size_and_sha256(synth):
     assert "huggingface.co/${MODEL_REPOSITORY}/resolve/${MODEL_REVISION}/${MODEL_FILE}" in spec
 
 
+def _policy_actions(template, path_part: str) -> set[str]:
+    (policy,) = [
+        p
+        for p in resources(template, "AWS::IAM::Policy").values()
+        if path_part in p["Metadata"]["aws:cdk:path"]
+    ]
+    return {a for s in policy["Properties"]["PolicyDocument"]["Statement"] for a in _listify(s["Action"])}
+
+
+def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
+    """image.yml reads the digest with describe-images; on_event starts builds, is_complete polls them."""
+    template = synth.templates["ImageStack"]
+    assert "ecr:DescribeImages" in _policy_actions(template, "/Builds/ImageBuild/Role/")
+    build_calls = ("codebuild:", "ecr:")
+    on_event = _policy_actions(template, "/BuildRunner/OnEvent/")
+    is_complete = _policy_actions(template, "/BuildRunner/IsComplete/")
+    assert {a for a in on_event if a.startswith(build_calls)} == {
+        "codebuild:StartBuild",
+        "ecr:DescribeImages",
+    }
+    assert {a for a in is_complete if a.startswith(build_calls)} == {
+        "codebuild:BatchGetBuilds",
+        "codebuild:StopBuild",
+    }
+
+
 def test_build_handlers_and_waiter_are_logged_and_bounded(synth):
     template = synth.templates["ImageStack"]
     ours = [

@@ -35,8 +35,9 @@ from decider.settings import Settings
 from rich.console import Console
 from rich.table import Table
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CASES = REPO_ROOT.parent / "shared/data/jevbench/jevbench-coherence-0.1.0/suites/jevbench-240/cases.jsonl"
+from tools.evaluate.cases import JEVBENCH_240_CASES, load_items
+
+CASES = JEVBENCH_240_CASES
 W2_TARGET_STATE_TOKENS = 2000
 W2_QUESTIONS = 21
 TEXT_ROUTE_MAX_TOKENS = 4  # a letter (1-2 tokens) plus end of turn
@@ -74,8 +75,8 @@ class Totals:
 
 
 def load_cases(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """Every case as {"id", "state", "questions"} (read and checked by decide-eval's loader)."""
+    return [{"id": item.item_id, **item.request} for item in load_items(path)]
 
 
 def pick_w1(cases: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:

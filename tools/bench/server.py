@@ -17,7 +17,6 @@ JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../share
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import statistics
 import threading
@@ -30,37 +29,22 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from tools.evaluate.cases import JEVBENCH_240_CASES, load_items
+from tools.evaluate.metrics import percentile
 from tools.local_server import run_local_server
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CASES = REPO.parent / "shared/data/jevbench/jevbench-coherence-0.1.0/suites/jevbench-240/cases.jsonl"
-REQUEST_FIELDS = ("state", "questions")
+DEFAULT_CASES = JEVBENCH_240_CASES
 
 
 def load_cases(path: Path, limit: int) -> list[dict[str, Any]]:
     """The first `limit` cases, as decision requests (state + questions only)."""
-    cases = []
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                record = json.loads(line)
-                cases.append({key: record[key] for key in REQUEST_FIELDS})
-            if len(cases) >= limit:
-                break
-    return cases
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
+    return [item.request for item in load_items(path)[:limit]]
 
 
 @dataclass
 class LoadResult:
     latencies: list[float] = field(default_factory=list)
-    errors: dict[int, int] = field(default_factory=dict)
+    errors: dict[int | str, int] = field(default_factory=dict)  # HTTP status or exception name
     wall_seconds: float = 0.0
     pings: list[float] = field(default_factory=list)
     ping_failures: int = 0
@@ -130,13 +114,16 @@ def run_load(
                 except queue.Empty:
                     return
                 started = time.perf_counter()
-                response = client.post("/invocations", json=case)
+                try:
+                    status: int | str = client.post("/invocations", json=case).status_code
+                except httpx.HTTPError as exc:  # recorded like an error status; the client goes on
+                    status = type(exc).__name__
                 elapsed = time.perf_counter() - started
                 with lock:
-                    if response.status_code == 200:
+                    if status == 200:
                         result.latencies.append(elapsed)
                     else:
-                        result.errors[response.status_code] = result.errors.get(response.status_code, 0) + 1
+                        result.errors[status] = result.errors.get(status, 0) + 1
 
     stop = threading.Event()
     prober = threading.Thread(target=_probe_ping, args=(base_url, stop, result, ping_interval), daemon=True)

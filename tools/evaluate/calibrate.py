@@ -71,13 +71,14 @@ def _top(samples: Sequence[Sample], temperature: float) -> tuple[list[float], li
 
 def out_of_fold(
     samples: Sequence[Sample], *, folds: int, seed: int
-) -> tuple[list[float], list[bool], list[float]]:
-    """Confidence and correctness of every sample under the T fitted without its fold; and the fold Ts."""
+) -> tuple[list[float], list[bool], list[float], list[float]]:
+    """Confidence, correctness and NLL of every sample under the T fitted without its fold; the fold Ts."""
     order = list(range(len(samples)))
     random.Random(seed).shuffle(order)
     k = max(2, min(folds, len(samples)))
     confidences: list[float] = []
     correct: list[bool] = []
+    nlls: list[float] = []
     temperatures: list[float] = []
     for fold in range(k):
         held = [samples[i] for i in order[fold::k]]
@@ -87,7 +88,8 @@ def out_of_fold(
         c, ok = _top(held, temperature)
         confidences += c
         correct += ok
-    return confidences, correct, temperatures
+        nlls += [negative_log_likelihood(z, gold, temperature) for z, gold in held]
+    return confidences, correct, nlls, temperatures
 
 
 def samples_from_rows(rows: Sequence[ResultRow]) -> tuple[list[Sample], list[ResultRow], bool]:
@@ -145,8 +147,7 @@ def calibrate_rows(
         derived_any |= derived
         served = sorted({r.temperature for r in used if r.temperature is not None})
         served_t = served[0] if len(served) == 1 else None
-        before_conf = [r.confidence for r in used]
-        before_ok = [bool(r.correct) for r in used]
+        ece_before = expected_calibration_error([r.confidence for r in used], [bool(r.correct) for r in used])
         nll_before = mean([-math.log(max(r.probs[r.gold], 1e-12)) for r in used])
         if len(samples) < min_samples:
             results.append(
@@ -155,7 +156,7 @@ def calibrate_rows(
                     samples=len(samples),
                     temperature=None,
                     served_temperature=served_t,
-                    ece_before=expected_calibration_error(before_conf, before_ok),
+                    ece_before=ece_before,
                     ece_after_oof=math.nan,
                     nll_before=nll_before,
                     nll_after_oof=math.nan,
@@ -165,12 +166,8 @@ def calibrate_rows(
                 )
             )
             continue
-        conf, ok, fold_ts = out_of_fold(samples, folds=folds, seed=seed)
-        order = list(range(len(samples)))
-        random.Random(seed).shuffle(order)
-        k = max(2, min(folds, len(samples)))
-        nll_after = mean([negative_log_likelihood(*samples[i], fold_ts[n % k]) for n, i in enumerate(order)])
-        ece_before = expected_calibration_error(before_conf, before_ok)
+        conf, ok, nlls, fold_ts = out_of_fold(samples, folds=folds, seed=seed)
+        nll_after = mean(nlls)
         ece_after = expected_calibration_error(conf, ok)
         fitted = fit_temperature(samples)
         temperature = round(fitted, 2)

@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The shared JevBench copy next to the repository (read in place; demo and benchmarks default to it).
+JEVBENCH_DIR = (
+    Path(__file__).resolve().parents[3] / "shared" / "data" / "jevbench" / "jevbench-coherence-0.1.0"
+)
+JEVBENCH_240_CASES = JEVBENCH_DIR / "suites" / "jevbench-240" / "cases.jsonl"
+
 UNKNOWN = "unknown"
 QUESTION_TYPES = ("noul", "choice", "score")
 NOUL_LABELS = ("true", "false")

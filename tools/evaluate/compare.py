@@ -125,6 +125,23 @@ def _probs_text(probs: dict[str, float]) -> str:
     return " ".join(f"{label}:{p:.3f}" for label, p in probs.items())
 
 
+FLIP_COLUMNS = ("case", "key", "type", "gold", "A", "B", "A probabilities", "B probabilities", "max |Δp|")
+
+
+def _flip_cells(f: Flip) -> list[str]:
+    return [
+        f.case_id,
+        f.key,
+        f.type,
+        f.gold or "-",
+        f.argmax_a,
+        f.argmax_b,
+        _probs_text(f.probs_a),
+        _probs_text(f.probs_b),
+        fmt(f.max_abs_diff, 4),
+    ]
+
+
 def print_comparison(c: Comparison, console: Console, *, max_rows: int = 50) -> None:
     console.rule("decide-eval compare")
     console.print(f"A: {c.run_a}  model {c.model_a or 'n/a'}")
@@ -159,30 +176,10 @@ def print_comparison(c: Comparison, console: Console, *, max_rows: int = 50) -> 
             title=f"Questions where the argmax differs ({len(c.flips)}, largest |Δp| first)",
             title_justify="left",
         )
-        for column in (
-            "case",
-            "key",
-            "type",
-            "gold",
-            "A",
-            "B",
-            "A probabilities",
-            "B probabilities",
-            "max |Δp|",
-        ):
+        for column in FLIP_COLUMNS:
             flips.add_column(column)
         for f in c.flips[:max_rows]:
-            flips.add_row(
-                f.case_id,
-                f.key,
-                f.type,
-                f.gold or "-",
-                f.argmax_a,
-                f.argmax_b,
-                _probs_text(f.probs_a),
-                _probs_text(f.probs_b),
-                fmt(f.max_abs_diff, 4),
-            )
+            flips.add_row(*_flip_cells(f))
         console.print(flips)
         if len(c.flips) > max_rows:
             console.print(f"… {len(c.flips) - max_rows} more (see --out for all)")
@@ -211,23 +208,7 @@ def write_comparison(out_dir: Path, c: Comparison, latencies: dict[str, list[flo
         )
         + _img(png, "latency CDF of both runs")
         + f"<p>argmax agreement {c.agreeing}/{c.common_questions} = {fmt(c.agreement_rate, 4)}</p>"
-        + _html_table(
-            ["case", "key", "type", "gold", "A", "B", "A probabilities", "B probabilities", "max |Δp|"],
-            [
-                [
-                    f.case_id,
-                    f.key,
-                    f.type,
-                    f.gold or "-",
-                    f.argmax_a,
-                    f.argmax_b,
-                    _probs_text(f.probs_a),
-                    _probs_text(f.probs_b),
-                    fmt(f.max_abs_diff, 4),
-                ]
-                for f in c.flips
-            ],
-        )
+        + _html_table(list(FLIP_COLUMNS), [_flip_cells(f) for f in c.flips])
         + "</body></html>\n"
     )
     path = out_dir / "compare.html"

@@ -23,20 +23,62 @@ JEVBENCH_NOTICE = (
 )
 
 
+SCORE_COLUMNS = ("scored", "correct", "accuracy", "chance", "Brier", "ECE")
+LATENCY_COLUMNS = (
+    "requests",
+    "p50",
+    "p95",
+    "p99",
+    "mean",
+    "max",
+    "server p50",
+    "first request",
+    "decisions/s",
+)
+
+
+def _score_cells(name: str, g: GroupScore) -> list[str]:
+    return [name, str(g.scored), str(g.correct), fmt(g.accuracy), fmt(g.chance), fmt(g.brier), fmt(g.ece)]
+
+
+def _latency_cells(summary: Summary) -> list[str]:
+    lat = summary.latency
+    return [
+        str(lat.requests),
+        fmt(lat.p50),
+        fmt(lat.p95),
+        fmt(lat.p99),
+        fmt(lat.mean),
+        fmt(lat.max),
+        fmt(lat.server_p50),
+        f"{fmt(lat.first_request_s)} ({lat.first_request_kind or 'none'})",
+        fmt(summary.decisions_per_s, 2),
+    ]
+
+
+def _error_rows(summary: Summary) -> list[list[str]]:
+    """[code, requests, questions] per error code seen on requests or questions."""
+    return [
+        [
+            code,
+            str(summary.error_requests_by_code.get(code, 0)),
+            str(summary.error_questions_by_code.get(code, 0)),
+        ]
+        for code in dict.fromkeys([*summary.error_requests_by_code, *summary.error_questions_by_code])
+    ]
+
+
 def _score_table(title: str, groups: dict[str, GroupScore], first: str) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column(first)
-    for column in ("scored", "correct", "accuracy", "chance", "Brier", "ECE"):
+    for column in SCORE_COLUMNS:
         table.add_column(column, justify="right")
     for name, g in groups.items():
-        table.add_row(
-            name, str(g.scored), str(g.correct), fmt(g.accuracy), fmt(g.chance), fmt(g.brier), fmt(g.ece)
-        )
+        table.add_row(*_score_cells(name, g))
     return table
 
 
 def print_summary(summary: Summary, console: Console) -> None:
-    lat = summary.latency
     console.rule("decide-eval summary")
     console.print(f"target: {summary.target}")
     console.print(f"model:  {summary.model or 'n/a'}")
@@ -50,29 +92,9 @@ def print_summary(summary: Summary, console: Console) -> None:
         caption="warm-up requests are timed apart and left out of the percentiles",
         caption_justify="left",
     )
-    for column in (
-        "requests",
-        "p50",
-        "p95",
-        "p99",
-        "mean",
-        "max",
-        "server p50",
-        "first request",
-        "decisions/s",
-    ):
+    for column in LATENCY_COLUMNS:
         speed.add_column(column, justify="right")
-    speed.add_row(
-        str(lat.requests),
-        fmt(lat.p50),
-        fmt(lat.p95),
-        fmt(lat.p99),
-        fmt(lat.mean),
-        fmt(lat.max),
-        fmt(lat.server_p50),
-        f"{fmt(lat.first_request_s)} ({lat.first_request_kind or 'none'})",
-        fmt(summary.decisions_per_s, 2),
-    )
+    speed.add_row(*_latency_cells(summary))
     console.print(speed)
     console.print(
         f"questions {summary.questions}: answered {summary.answered}, errors {summary.errors}; "
@@ -98,12 +120,8 @@ def print_summary(summary: Summary, console: Console) -> None:
         errors.add_column("code")
         errors.add_column("requests", justify="right")
         errors.add_column("questions", justify="right")
-        for code in dict.fromkeys([*summary.error_requests_by_code, *summary.error_questions_by_code]):
-            errors.add_row(
-                code,
-                str(summary.error_requests_by_code.get(code, 0)),
-                str(summary.error_questions_by_code.get(code, 0)),
-            )
+        for row in _error_rows(summary):
+            errors.add_row(*row)
         console.print(errors)
 
 
@@ -182,13 +200,7 @@ def _html_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _groups_html(groups: dict[str, GroupScore]) -> str:
-    return _html_table(
-        ["group", "scored", "correct", "accuracy", "chance", "Brier", "ECE"],
-        [
-            [n, str(g.scored), str(g.correct), fmt(g.accuracy), fmt(g.chance), fmt(g.brier), fmt(g.ece)]
-            for n, g in groups.items()
-        ],
-    )
+    return _html_table(["group", *SCORE_COLUMNS], [_score_cells(n, g) for n, g in groups.items()])
 
 
 def write_html_report(run_dir: Path, meta: RunMeta, summary: Summary) -> Path:
@@ -199,7 +211,6 @@ def write_html_report(run_dir: Path, meta: RunMeta, summary: Summary) -> Path:
     reliability = reliability_png(summary.reliability, "Reliability (answered questions with known gold)")
     (run_dir / LATENCY_PNG).write_bytes(latency)
     (run_dir / RELIABILITY_PNG).write_bytes(reliability)
-    lat = summary.latency
     sections = [
         f"<h1>decide-eval report</h1><p>target: <code>{html.escape(summary.target)}</code><br>"
         f"model: <code>{html.escape(summary.model or 'n/a')}</code><br>"
@@ -210,22 +221,7 @@ def write_html_report(run_dir: Path, meta: RunMeta, summary: Summary) -> Path:
         f"<p class='warn'>Run stopped early: {html.escape(summary.aborted)}</p>" if summary.aborted else "",
         f"<p class='warn'>Time-boxed: {html.escape(summary.time_budget)}</p>" if summary.time_budget else "",
         "<h2>Latency per request (seconds)</h2>",
-        _html_table(
-            ["requests", "p50", "p95", "p99", "mean", "max", "server p50", "first request", "decisions/s"],
-            [
-                [
-                    str(lat.requests),
-                    fmt(lat.p50),
-                    fmt(lat.p95),
-                    fmt(lat.p99),
-                    fmt(lat.mean),
-                    fmt(lat.max),
-                    fmt(lat.server_p50),
-                    f"{fmt(lat.first_request_s)} ({lat.first_request_kind or 'none'})",
-                    fmt(summary.decisions_per_s, 2),
-                ]
-            ],
-        ),
+        _html_table(list(LATENCY_COLUMNS), [_latency_cells(summary)]),
         _img(latency, "latency CDF and histogram"),
         "<h2>Quality</h2>",
         f"<p>questions {summary.questions}: answered {summary.answered}, errors {summary.errors}; "
@@ -239,17 +235,7 @@ def write_html_report(run_dir: Path, meta: RunMeta, summary: Summary) -> Path:
         "<h3>Reliability diagram (10 equal-width bins, top-label)</h3>",
         _img(reliability, "reliability diagram"),
         "<h2>Errors by code</h2>",
-        _html_table(
-            ["code", "requests", "questions"],
-            [
-                [
-                    c,
-                    str(summary.error_requests_by_code.get(c, 0)),
-                    str(summary.error_questions_by_code.get(c, 0)),
-                ]
-                for c in dict.fromkeys([*summary.error_requests_by_code, *summary.error_questions_by_code])
-            ],
-        )
+        _html_table(["code", "requests", "questions"], _error_rows(summary))
         if summary.errors
         else "<p>none</p>",
         f"<p class='note'>{html.escape(JEVBENCH_NOTICE)}</p>"

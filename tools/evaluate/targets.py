@@ -122,6 +122,8 @@ class HttpTarget:
             return Reply(
                 time.perf_counter() - started, None, None, "connection_error", str(exc), transport_error=True
             )
+        except self._httpx.RequestError as exc:  # an unreadable response (bad encoding, redirects): recorded
+            return Reply(time.perf_counter() - started, None, None, "invalid_response", str(exc))
         if response.status_code != 200:
             code, message = error_from_body(response.status_code, response.content)
             return Reply(time.perf_counter() - started, response.status_code, None, code, message)

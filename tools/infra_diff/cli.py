@@ -89,11 +89,14 @@ def load_baseline(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise SynthError(
             f"{directory} is not a baseline (no {BASELINE_INFO}); create one with --save-baseline"
         )
-    info = json.loads(info_path.read_text())
-    templates = {
-        name: json.loads((directory / f"{name.replace('/', '__')}.template.json").read_text())
-        for name in info["stacks"]
-    }
+    try:
+        info = json.loads(info_path.read_text())
+        templates = {
+            name: json.loads((directory / f"{name.replace('/', '__')}.template.json").read_text())
+            for name in info["stacks"]
+        }
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SynthError(f"{directory} is not a readable baseline: {exc}") from exc
     return templates, info
 
 
@@ -156,6 +159,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
         base = results[1]
     else:
         raise SynthError("nothing to compare: pass --base REV, --baseline DIR, or --base/--head-context")
+    unknown = sorted(set(args.stack) - set(base) - set(head))
+    if unknown:  # a misspelt --stack would otherwise diff nothing and pass a --fail-on-change gate
+        known = ", ".join(sorted(set(base) | set(head))) or "none"
+        raise SynthError(f"unknown --stack {', '.join(unknown)} (stacks: {known})")
     report = diff_templates(base, head, args.stack or None)
     if args.json:
         print(json.dumps({"base": base_label, "head": head_label, **report.to_json()}, indent=1, default=str))

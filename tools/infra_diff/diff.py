@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tools.infra_diff.schemas import create_only_properties, matches
@@ -29,7 +29,6 @@ RESOURCE_ATTRIBUTES = (
     "Metadata",
 )
 TEMPLATE_SECTIONS = ("Parameters", "Conditions", "Mappings", "Outputs", "Rules", "Transform")
-# Properties that grant or use permissions, on any resource type.
 # Properties that grant permissions (policy documents), on any resource type.
 GRANT_PROPERTY_NAMES = frozenset(
     {
@@ -131,8 +130,6 @@ class Report:
         return [r for r in self.resources if r.iam]
 
     def to_json(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return {
             "has_changes": self.has_changes,
             "stacks_added": self.stacks_added,

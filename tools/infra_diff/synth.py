@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,12 +157,3 @@ def synthesize_many(jobs: list[SynthJob], timeout: float = 600) -> list[dict[str
     if errors:
         raise SynthError("\n\n".join(errors))
     return results
-
-
-def synthesize_tree(
-    tree: Path, context: dict[str, Any] | None = None, timeout: float = 600
-) -> dict[str, Any]:
-    """Templates of one tree with `context` overrides on top of its cdk.json context."""
-    with tempfile.TemporaryDirectory(prefix="infra-diff-") as tmp:
-        job = SynthJob(tree, Path(tmp) / "out", {**cdk_json_context(tree), **(context or {})})
-        return synthesize_many([job], timeout)[0]

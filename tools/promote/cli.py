@@ -191,16 +191,23 @@ def _settings(args: argparse.Namespace) -> deploy.GuardrailSettings:
     )
 
 
-def cmd_apply(clients: AwsClients, args: argparse.Namespace) -> int:
-    endpoint = live.describe_endpoint(clients.sagemaker, args.endpoint)
-    render.show_endpoint(console, endpoint)
-    overrides = _overrides(args)
-    guards.require_not_cfn_managed(endpoint, overrides, force=args.force, action="apply")
+def _require_owner_or_force(
+    endpoint: live.LiveEndpoint, overrides: Overrides, args: argparse.Namespace, *, action: str
+) -> None:
+    """Refuse a CloudFormation-managed endpoint; with --force, go on but say what it costs."""
+    guards.require_not_cfn_managed(endpoint, overrides, force=args.force, action=action)
     if endpoint.cfn_stack:
         console.print(
             f"[yellow]warning[/]: --force on an endpoint of stack {endpoint.cfn_stack}: this drifts the "
             "stack; the next `cdk deploy` returns the endpoint to the stack's config"
         )
+
+
+def cmd_apply(clients: AwsClients, args: argparse.Namespace) -> int:
+    endpoint = live.describe_endpoint(clients.sagemaker, args.endpoint)
+    render.show_endpoint(console, endpoint)
+    overrides = _overrides(args)
+    _require_owner_or_force(endpoint, overrides, args, action="apply")
     guards.require_idle(endpoint)
     promotion = _promotion(clients, endpoint, overrides)
     require_digest(promotion.image)
@@ -254,12 +261,7 @@ def cmd_apply(clients: AwsClients, args: argparse.Namespace) -> int:
 def cmd_rollback(clients: AwsClients, args: argparse.Namespace) -> int:
     endpoint = live.describe_endpoint(clients.sagemaker, args.endpoint)
     render.show_endpoint(console, endpoint)
-    guards.require_not_cfn_managed(endpoint, Overrides(), force=args.force, action="rollback")
-    if endpoint.cfn_stack:
-        console.print(
-            f"[yellow]warning[/]: --force on an endpoint of stack {endpoint.cfn_stack}: this drifts the "
-            "stack; the next `cdk deploy` returns the endpoint to the stack's config"
-        )
+    _require_owner_or_force(endpoint, Overrides(), args, action="rollback")
     guards.require_idle(endpoint)
     target = endpoint.rollback_config
     if not target:

@@ -1,7 +1,7 @@
 """boto3 clients with retry settings shared by every command.
 
 botocore reads `AWS_ENDPOINT_URL` (and `AWS_ENDPOINT_URL_<SERVICE>`) itself since 1.31.x, so pointing
-`promote` at a local emulator needs no flag; `endpoint_summary()` reports where calls go.
+`promote` at a local emulator needs no flag.
 """
 
 from __future__ import annotations
@@ -46,9 +46,6 @@ class AwsClients:
     runtime: Any
     cloudwatch: Any
     region: str
-
-    def endpoint_summary(self) -> str:
-        return f"region {self.region}, SageMaker API {self.sagemaker.meta.endpoint_url}"
 
 
 def make_clients(region: str | None, profile: str | None) -> AwsClients:

@@ -186,17 +186,14 @@ def wait_for_update(
                 last_line = line
             seen_update = seen_update or status != "InService" or raw["EndpointConfigName"] == target_config
             elapsed = time.monotonic() - started
-            if status in TERMINAL_STATUSES and (seen_update or elapsed > UPDATE_REGISTER_GRACE_S):
-                return Outcome(
-                    status, raw["EndpointConfigName"], target_config, raw.get("FailureReason"), firing
-                )
-            if elapsed > timeout_s:
+            done = status in TERMINAL_STATUSES and (seen_update or elapsed > UPDATE_REGISTER_GRACE_S)
+            if done or elapsed > timeout_s:
                 return Outcome(
                     status,
                     raw["EndpointConfigName"],
                     target_config,
                     raw.get("FailureReason"),
                     firing,
-                    timed_out=True,
+                    timed_out=not done,
                 )
             sleep(poll_s)

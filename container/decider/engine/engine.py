@@ -95,7 +95,6 @@ class _Item:
 
 @dataclass
 class _RunStats:
-    mode: str
     prefix_tokens: int = 0
     suffix_tokens: int = 0
     decodes: int = 0
@@ -228,10 +227,7 @@ class DecisionEngine:
             by_question.setdefault(item.question.key, []).append(item)
         for question in request.questions:
             answers[question.key] = self._answer(question, by_question[question.key], request.extensions)
-        if mode == "shared":
-            input_tokens = stats.prefix_tokens + stats.suffix_tokens
-        else:
-            input_tokens = sum(len(item.tokens) for item in items)
+        input_tokens = stats.prefix_tokens + stats.suffix_tokens  # fresh: no prefix, whole prompts
         extensions = None
         if request.extensions:
             extensions = {
@@ -311,7 +307,7 @@ class DecisionEngine:
         return items
 
     def _run_fresh(self, items: list[_Item], stop: Callable[[], bool]) -> _RunStats:
-        stats = _RunStats(mode="fresh")
+        stats = _RunStats()
         t0 = time.perf_counter()
         try:
             for item in items:
@@ -328,7 +324,7 @@ class DecisionEngine:
 
     def _run_shared(self, items: list[_Item], stop: Callable[[], bool]) -> _RunStats:
         prefix_len = common_prefix_length([item.tokens for item in items])
-        stats = _RunStats(mode="shared", prefix_tokens=prefix_len)
+        stats = _RunStats(prefix_tokens=prefix_len)
         self._rt.clear()
         t0 = time.perf_counter()
         _check_stop(stop)
@@ -367,7 +363,8 @@ class DecisionEngine:
             assert item.logits is not None
             slot_logits = item.logits[list(slot_ids)]
             per_order.append(align_to_options(item.order, slot_logits))
-            masses.append(allowed_token_mass(slot_logits, logsumexp(item.logits)))
+            if with_extensions:  # a pass over the whole vocabulary: only when it is reported
+                masses.append(allowed_token_mass(slot_logits, logsumexp(item.logits)))
         logits = average_logits(per_order)
         temperature = self.settings.temperature_for(question.type)
         probs = softmax(logits, temperature)
@@ -468,10 +465,12 @@ def common_prefix_length(sequences: list[list[int]]) -> int:
     """Longest common token prefix, capped so every sequence keeps at least one token to decode."""
     if not sequences:
         return 0
-    shortest = min(len(seq) for seq in sequences)
-    first = sequences[0]
+    limit = min(len(seq) for seq in sequences) - 1
+    # Every sequence lies between the lexicographic min and max, so it shares their common prefix:
+    # one walk over two sequences instead of one over all of them per position.
+    low, high = min(sequences), max(sequences)
     length = 0
-    while length < shortest - 1 and all(seq[length] == first[length] for seq in sequences):
+    while length < limit and low[length] == high[length]:
         length += 1
     return length
 

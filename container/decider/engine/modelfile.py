@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from decider.engine.bundled import SMOLLM2_FILE, SMOLLM2_SHA256, sha256_file
+from decider.engine.bundled import SMOLLM2_FILE, SMOLLM2_SHA256, file_sha256
 from decider.errors import StartupError
 from decider.settings import Settings
 
@@ -13,7 +13,6 @@ GGUF_MAGIC = b"GGUF"
 _QUANT_IN_NAME = re.compile(
     r"[._-]((?:I?Q\d(?:_[0-9A-Z]+)*)|F16|BF16|F32|TQ\d_\d|MXFP4(?:_MOE)?)$", re.IGNORECASE
 )
-_sha_cache: dict[tuple[str, int, int], str] = {}
 
 
 def resolve_model_file(settings: Settings) -> Path:
@@ -52,15 +51,6 @@ def check_gguf(path: Path) -> None:
         raise StartupError(f"cannot read model file {path}: {exc.strerror or exc}") from exc
     if magic != GGUF_MAGIC:
         raise StartupError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of the file, computed once per (path, size, mtime) in this process."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _sha_cache:
-        _sha_cache[key] = sha256_file(path)
-    return _sha_cache[key]
 
 
 def verify_sha256(path: Path, settings: Settings) -> str:

@@ -128,12 +128,6 @@ class LlamaRuntime:
         return QUANTIZATION_NAMES.get(int(value))
 
     @property
-    def is_recurrent_or_hybrid(self) -> bool:
-        return bool(
-            llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model)
-        )
-
-    @property
     def n_swa(self) -> int:
         return int(llama_cpp.llama_model_n_swa(self._model))
 

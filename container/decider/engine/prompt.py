@@ -17,9 +17,10 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 PROMPT_VERSION = "decider-options-v1"
@@ -63,13 +64,17 @@ class ChatTemplate:
     bos_token: str
     eos_token: str
 
-    def render(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    @cached_property
+    def _compiled(self) -> Template:
+        """The template compiled once (on first render), not on every chat request."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now(UTC).strftime(fmt)
+        return env.from_string(self.text)
+
+    def render(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
         try:
-            template = env.from_string(self.text)
-            return template.render(
+            return self._compiled.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
                 enable_thinking=False,

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from decider.errors import RequestError
-from decider.settings import Settings
+from decider.settings import QuestionType, Settings
 
-QuestionType = Literal["noul", "choice", "score"]
-QUESTION_TYPES: tuple[str, ...] = ("noul", "choice", "score")
+QUESTION_TYPES: tuple[str, ...] = get_args(QuestionType)
 JSONContent = str | dict[str, Any] | list[Any]
 
 # Frozen texts (part of prompt version decider-options-v1: changing one changes every prompt hash).
@@ -139,10 +138,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def loads_strict(body: bytes | str) -> Any:
+    """`json.loads` refusing NaN/Infinity and marking objects with duplicate keys (refused later)."""
+    return json.loads(body, object_pairs_hook=_object_pairs, parse_constant=_reject_constant)
+
+
 def parse_decision_request_bytes(body: bytes | str, **limits: int) -> DecisionRequest:
     """Parse a raw body: also rejects duplicate keys and NaN/Infinity, which `json.loads` would accept."""
     try:
-        obj = json.loads(body, object_pairs_hook=_object_pairs, parse_constant=_reject_constant)
+        obj = loads_strict(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(f"The body is not valid JSON: {exc}", code="invalid_json", param=None) from exc
     return parse_decision_request(obj, **limits)

@@ -56,7 +56,7 @@ class Job:
 
     def should_stop(self) -> bool:
         """True once the caller has gone, the deadline has passed, or the server is stopping."""
-        return self._cancelled.is_set() or time.monotonic() >= self.deadline
+        return self.cancelled or self.expired()
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

@@ -173,28 +173,26 @@ def create_app(
     async def invocations(request: Request) -> Response:
         attributes = parse_custom_attributes(request.headers.get(CUSTOM_ATTRIBUTES_HEADER))
         target = target_from_attributes(attributes)  # an unknown route fails before the body is read
-        raw, body = await read_payload(request, limit)
+        body = await read_payload(request, limit)
         if target is None:
             target = target_from_body(body)
         path = TARGET_PATHS[target]
         request.state.invocation_target = path
         runtime.metrics.invocation_targets.labels(path).inc()
         if target == "decision":
-            return await handle_decision(runtime, request, raw)
+            return await handle_decision(runtime, request, body)
         return await handle_chat(runtime, request, body)
 
     async def systemone(request: Request) -> Response:
-        raw, _ = await read_payload(request, limit)
-        return await handle_decision(runtime, request, raw)
+        return await handle_decision(runtime, request, await read_payload(request, limit))
 
     async def chat_completions(request: Request) -> Response:
-        _, body = await read_payload(request, limit)
-        return await handle_chat(runtime, request, body)
+        return await handle_chat(runtime, request, await read_payload(request, limit))
 
     async def models(request: Request) -> Response:
         engine = runtime.require_engine()
         info = engine.model_info
-        details = info.model_dump(mode="json") if hasattr(info, "model_dump") else dict(vars(info))
+        details = info.model_dump(mode="json")
         created = int(runtime.loaded_at or time.time())
         description = (
             f"{info.name} ({info.quantization}, sha256 {info.sha256[:12]}), typed decisions and chat"

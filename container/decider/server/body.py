@@ -7,7 +7,6 @@ off as soon as it passes the cap. Decompressed bodies are held to the same cap.
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from starlette.requests import Request
 
 from decider.errors import PayloadTooLargeError, RequestError
+from decider.schemas.decision import loads_strict
 
 MAX_JSON_DEPTH = 64  # nesting levels of the request JSON; deeper bodies get 422 json_too_deep
 JSON_CONTENT_TYPES = ("application/json", "application/x-amz-json", "text/json")
@@ -122,10 +122,6 @@ def _check_content_type(request: Request) -> None:
     )
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _depth_exceeds(value: Any, limit: int) -> bool:
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
@@ -143,11 +139,15 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
 
 
 def parse_json(data: bytes) -> Any:
-    """Strict JSON (no NaN/Infinity, UTF-8/16/32), at most MAX_JSON_DEPTH levels deep."""
+    """Strict JSON (no NaN/Infinity, UTF-8/16/32), at most MAX_JSON_DEPTH levels deep.
+
+    Objects with a repeated key are marked, so the decision parser can refuse them without
+    parsing the body a second time.
+    """
     if not data.strip():
         raise RequestError("the request body is empty; send a JSON object", code="invalid_json")
     try:
-        value = json.loads(data, parse_constant=_reject_constant)
+        value = loads_strict(data)
     except RecursionError:
         raise RequestError(
             f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", code="json_too_deep"
@@ -161,9 +161,8 @@ def parse_json(data: bytes) -> Any:
     return value
 
 
-async def read_payload(request: Request, limit: int) -> tuple[bytes, Any]:
-    """The decoded body bytes and their parsed JSON, under the byte `limit` (raw and decoded)."""
+async def read_payload(request: Request, limit: int) -> Any:
+    """The body's parsed JSON, under the byte `limit` (raw and decoded)."""
     _check_content_type(request)
     raw = await read_body(request, limit)
-    data = decode_content(raw, request.headers.get("content-encoding"), limit)
-    return data, parse_json(data)
+    return parse_json(decode_content(raw, request.headers.get("content-encoding"), limit))

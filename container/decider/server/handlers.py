@@ -7,8 +7,6 @@ the event loop before admission, so an invalid request never takes a place in th
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
@@ -29,7 +27,7 @@ from decider.schemas.chat import (
     now_seconds,
     parse_chat_request,
 )
-from decider.schemas.decision import parse_decision_request_bytes
+from decider.schemas.decision import parse_decision_request
 from decider.server.admission import Job, deadline_error
 from decider.server.runtime import Engine, ServerRuntime
 
@@ -70,24 +68,17 @@ async def run_until_disconnect(runtime: ServerRuntime, request: Request, job: Jo
 # --- decisions -----------------------------------------------------------------------------------
 
 
-@functools.cache
-def _decide_takes_should_stop(engine_type: type) -> bool:
-    return "should_stop" in inspect.signature(engine_type.decide).parameters
-
-
 def _decide(engine: Engine, decision: Any, job: Job) -> dict[str, Any]:
-    # The engine enforces the per-model limits (state tokens, options per question) itself. When its
-    # decide() accepts `should_stop`, a decision past its deadline also stops between decodes.
-    if _decide_takes_should_stop(type(engine)):
-        return engine.decide(decision, should_stop=job.should_stop).to_wire()
-    return engine.decide(decision).to_wire()
+    # The engine enforces the per-model limits (state tokens, options per question) itself, and
+    # polls `should_stop` between decodes, so a decision past its deadline stops early.
+    return engine.decide(decision, should_stop=job.should_stop).to_wire()
 
 
-async def handle_decision(runtime: ServerRuntime, request: Request, raw: bytes) -> Response:
+async def handle_decision(runtime: ServerRuntime, request: Request, body: Any) -> Response:
     engine = runtime.require_engine()
     settings = runtime.settings
-    decision = parse_decision_request_bytes(
-        raw,
+    decision = parse_decision_request(
+        body,
         max_questions=settings.max_questions,
         max_options=settings.max_options,
         max_permutations=settings.max_permutations,
@@ -281,7 +272,7 @@ async def _stream_chat(
             yield _sse_data(exc.to_wire())
         except Exception as exc:
             log.exception("stream %s failed", job.request_id)
-            yield _sse_data(_internal_error(exc))
+            yield _sse_data(internal_error_body(exc))
         finally:
             job.cancel()  # stops generation if the client went away mid-stream
         yield "data: [DONE]\n\n"
@@ -293,7 +284,7 @@ def _sse_data(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def _internal_error(exc: BaseException) -> dict[str, Any]:
+def internal_error_body(exc: BaseException) -> dict[str, Any]:
     return {
         "error": {
             "type": "api_error",
@@ -302,7 +293,3 @@ def _internal_error(exc: BaseException) -> dict[str, Any]:
             "param": None,
         }
     }
-
-
-def internal_error_body(exc: BaseException) -> dict[str, Any]:
-    return _internal_error(exc)
