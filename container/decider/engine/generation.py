@@ -1,21 +1,21 @@
-"""Chat generation on the engine's one context: template, sampler chain, streamed UTF-8 text.
+"""Chat generation pieces: prompt tokens from the template, the sampler chain, stop strings.
 
-Text deltas are produced with an incremental UTF-8 decoder (a character may be split over
-tokens) and held back while they could still be the start of a stop string, so a stop string
-that spans tokens is found and never emitted.
+The generation loop itself is `decider.engine.work.ChatWork`, one token per scheduler step. Text
+deltas are produced with an incremental UTF-8 decoder (a character may be split over tokens) and
+held back while they could still be the start of a stop string, so a stop string that spans
+tokens is found and never emitted.
 """
 
 from __future__ import annotations
 
-import codecs
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import llama_cpp
 
-from decider.engine.native import LlamaRuntime, Row
+from decider.engine.native import LlamaRuntime
 from decider.engine.prompt import ChatTemplate
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -112,7 +112,8 @@ class StopFilter:
         return text
 
 
-def _sampler(temperature: float, top_p: float, seed: int | None) -> Any:
+def make_sampler(temperature: float, top_p: float, seed: int | None) -> Any:
+    """A llama.cpp sampler chain: greedy at temperature 0, else top-p, temperature, seeded draw."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     if temperature <= 0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
@@ -125,57 +126,5 @@ def _sampler(temperature: float, top_p: float, seed: int | None) -> Any:
     return chain
 
 
-def generate(
-    runtime: LlamaRuntime,
-    prompt: list[int],
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop: Sequence[str],
-    seed: int | None,
-    should_stop: Callable[[], bool] | None,
-) -> Iterator[GenerationEvent]:
-    """Yields text deltas, then one final event. The context's memory is cleared before and after."""
-    sampler = _sampler(temperature, top_p, seed)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    stops = StopFilter(stop)
-    produced = 0
-    finish: FinishReason = "length"
-    stop_hit = False
-    try:
-        runtime.clear()
-        runtime.decode_rows([Row(seq_id=0, tokens=prompt, start_pos=0)])
-        position = len(prompt)
-        while produced < max_tokens:
-            if should_stop is not None and should_stop():
-                finish = "cancelled"
-                break
-            token = llama_cpp.llama_sampler_sample(sampler, runtime.context, -1)
-            if runtime.is_eog(token):
-                finish = "stop"
-                break
-            produced += 1
-            text, stop_hit = stops.push(decoder.decode(runtime.piece(token)))
-            if text:
-                yield GenerationEvent(text=text)
-            if stop_hit:
-                finish = "stop"
-                break
-            if produced >= max_tokens:
-                break
-            runtime.decode_rows([Row(seq_id=0, tokens=[token], start_pos=position)])
-            position += 1
-        if not stop_hit:
-            # Whatever was held back as a possible stop prefix (or an unfinished character) is text.
-            text, stop_hit = stops.push(decoder.decode(b"", final=True))
-            if not stop_hit:
-                text += stops.flush()
-            if text:
-                yield GenerationEvent(text=text)
-        yield GenerationEvent(
-            finish_reason=finish, usage=GenerationUsage(prompt_tokens=len(prompt), completion_tokens=produced)
-        )
-    finally:
-        llama_cpp.llama_sampler_free(sampler)
-        runtime.clear()
+def free_sampler(sampler: Any) -> None:
+    llama_cpp.llama_sampler_free(sampler)

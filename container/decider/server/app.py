@@ -28,7 +28,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decider.errors import DeciderError, NotFoundError, RequestError
 from decider.server.body import read_payload
-from decider.server.handlers import ClientDisconnectedError, handle_chat, handle_decision, internal_error_body
+from decider.server.handlers import (
+    ClientDisconnectedError,
+    handle_batch,
+    handle_chat,
+    handle_decision,
+    internal_error_body,
+)
 from decider.server.metrics import route_label
 from decider.server.routing import (
     CUSTOM_ATTRIBUTES_HEADER,
@@ -181,10 +187,15 @@ def create_app(
         runtime.metrics.invocation_targets.labels(path).inc()
         if target == "decision":
             return await handle_decision(runtime, request, body)
+        if target == "batch":
+            return await handle_batch(runtime, request, body)
         return await handle_chat(runtime, request, body)
 
     async def systemone(request: Request) -> Response:
         return await handle_decision(runtime, request, await read_payload(request, limit))
+
+    async def systemone_batch(request: Request) -> Response:
+        return await handle_batch(runtime, request, await read_payload(request, limit))
 
     async def chat_completions(request: Request) -> Response:
         return await handle_chat(runtime, request, await read_payload(request, limit))
@@ -223,6 +234,7 @@ def create_app(
         Route("/ping", ping, methods=["GET"]),
         Route("/invocations", invocations, methods=["POST"]),
         Route("/v1/systemone", systemone, methods=["POST"]),
+        Route("/v1/systemone/batch", systemone_batch, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -2,8 +2,8 @@
 
 SageMaker forwards `CustomAttributes` verbatim as the `X-Amzn-SageMaker-Custom-Attributes`
 header. A `route=` entry there picks the handler from an allow-list (the convention of the AWS
-llama.cpp container); without one, the body's shape decides: `questions` means a decision,
-`messages` means chat.
+llama.cpp container); without one, the body's shape decides: `questions` means a decision
+(with `states` instead of `state`: the batch route), `messages` means chat.
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ from typing import Any, Literal
 from decider.errors import NotFoundError, RequestError
 
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
-Target = Literal["decision", "chat"]
-ROUTES: dict[str, Target] = {"/v1/systemone": "decision", "/v1/chat/completions": "chat"}
+Target = Literal["decision", "batch", "chat"]
+ROUTES: dict[str, Target] = {
+    "/v1/systemone": "decision",
+    "/v1/systemone/batch": "batch",
+    "/v1/chat/completions": "chat",
+}
 TARGET_PATHS: dict[Target, str] = {target: path for path, target in ROUTES.items()}
 
 
@@ -47,7 +51,7 @@ def target_from_attributes(attributes: dict[str, str]) -> Target | None:
 
 
 def target_from_body(body: Any) -> Target:
-    """Route by shape: `questions` → decision, `messages` → chat."""
+    """Route by shape: `questions` → decision (`states` too: the batch route), `messages` → chat."""
     if not isinstance(body, dict):
         raise RequestError(
             "the request body must be a JSON object with `questions` (decision) or `messages` (chat)",
@@ -61,7 +65,7 @@ def target_from_body(body: Any) -> Target:
             code="ambiguous_body",
         )
     if has_questions:
-        return "decision"
+        return "batch" if "states" in body and "state" not in body else "decision"
     if has_messages:
         return "chat"
     raise RequestError(
