@@ -22,6 +22,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from decider.engine import generation
+from decider.engine.markers import CallerText, MarkerError
 from decider.engine.modelfile import display_name, quantization_from_name, resolve_model_file, verify_sha256
 from decider.engine.native import ContextConfig, LlamaRuntime, NativeError, Row
 from decider.engine.prompt import (
@@ -80,6 +81,7 @@ class ModelInfo(BaseModel):
     prompt_version: str
     max_options: int
     slot_labels: tuple[str, ...]
+    markers: dict[str, list[str]]  # token texts caller text never becomes, by source (engine/markers.py)
 
 
 @dataclass
@@ -114,10 +116,12 @@ class DecisionEngine:
         builder: PromptBuilder,
         slots: SlotTable,
         info: ModelInfo,
+        caller: CallerText,
     ) -> None:
         self.settings = settings
         self._rt = runtime
         self._template = template
+        self._caller = caller
         self._builder = builder
         self._slots = slots
         self.model_info = info
@@ -145,11 +149,13 @@ class DecisionEngine:
         try:
             template = _chat_template(runtime, settings)
             frame = PromptFrame.from_template(template)
+            caller = CallerText.for_model(runtime, template, settings.marker_tokens)
             builder = PromptBuilder(
                 frame,
                 lambda text, special: runtime.tokenize(text, special=special),
                 runtime.bos,
                 runtime.add_bos,
+                caller_tokens=caller.tokenize,
             )
             slots = build_slot_table(
                 builder,
@@ -157,7 +163,7 @@ class DecisionEngine:
                 runtime.piece,
                 settings.max_options,
             )
-        except (TemplateUnusableError, SlotError) as exc:
+        except (TemplateUnusableError, SlotError, MarkerError) as exc:
             runtime.close()
             raise StartupError(f"{path.name}: {exc}") from exc
         quantization = runtime.quantization or quantization_from_name(path) or "unknown"
@@ -176,15 +182,17 @@ class DecisionEngine:
             prompt_version=PROMPT_VERSION,
             max_options=len(slots),
             slot_labels=slots.labels,
+            markers=caller.report(),
         )
-        return cls(settings, runtime, template, builder, slots, info)
+        return cls(settings, runtime, template, builder, slots, info, caller)
 
     def close(self) -> None:
         self._rt.close()
 
     # --- small helpers -----------------------------------------------------------------------------
     def count_tokens(self, text: str) -> int:
-        return len(self._rt.tokenize(text, special=False))
+        """Tokens of caller text, as the prompt holds them."""
+        return len(self._caller.tokenize(text))
 
     def render_prompt(
         self, state: Any, instructions: Any, options: list[tuple[str, Any]]
@@ -200,6 +208,11 @@ class DecisionEngine:
     @property
     def slot_table(self) -> SlotTable:
         return self._slots
+
+    @property
+    def caller_text(self) -> CallerText:
+        """The one tokenizer of caller text (markers neutralized), for tests and audits."""
+        return self._caller
 
     # --- decisions ----------------------------------------------------------------------------------
     def decide(
@@ -410,7 +423,7 @@ class DecisionEngine:
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Chat prompt tokens; a conversation the model's template refuses is a 422, not a 500."""
         try:
-            return generation.chat_tokens(self._template, self._rt, messages)
+            return generation.chat_tokens(self._template, self._rt, self._caller.tokenize, messages)
         except TemplateUnusableError as exc:
             raise RequestError(
                 f"The model's chat template rejects these messages: {exc}",
