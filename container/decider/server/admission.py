@@ -30,6 +30,9 @@ T = TypeVar("T")
 EWMA_WEIGHT = 0.3  # weight of the newest service time in the running estimate
 ENGINE_NICENESS = 10  # how much lower the engine thread's CPU priority is than the HTTP loop's
 MAX_RETRY_AFTER_SECONDS = 60
+# A 504 is retryable when queueing took at least this share of the deadline: a retry on a quieter
+# server gets that much more time. Less than that, and the work alone is too large (split it).
+RETRYABLE_WAIT_FRACTION = 0.1
 
 
 @dataclass(eq=False)
@@ -78,10 +81,12 @@ def lower_engine_thread_priority() -> None:
 
 def deadline_error(job: Job, deadline_seconds: float) -> DeadlineExceededError:
     where = "waiting for the model" if job.started_at is None else "while the model was working"
+    waited = (job.started_at or time.monotonic()) - job.admitted_at
     return DeadlineExceededError(
         f"the request passed its {deadline_seconds:g} s deadline {where} "
         f"(DECIDER_DEADLINE_SECONDS); retry later or send less work per request",
         code="deadline_exceeded",
+        retryable=waited >= RETRYABLE_WAIT_FRACTION * deadline_seconds,
     )
 
 

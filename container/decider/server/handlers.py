@@ -27,7 +27,8 @@ from decider.schemas.chat import (
     now_seconds,
     parse_chat_request,
 )
-from decider.schemas.decision import parse_decision_request
+from decider.schemas.decision import DecisionRequest, DecisionResponse, parse_decision_request
+from decider.schemas.openai_decisions import parse_openai_decision_request
 from decider.server.admission import Job, deadline_error
 from decider.server.runtime import Engine, ServerRuntime
 
@@ -68,25 +69,49 @@ async def run_until_disconnect(runtime: ServerRuntime, request: Request, job: Jo
 # --- decisions -----------------------------------------------------------------------------------
 
 
-def _decide(engine: Engine, decision: Any, job: Job) -> dict[str, Any]:
-    # The engine enforces the per-model limits (state tokens, options per question) itself, and
-    # polls `should_stop` between decodes, so a decision past its deadline stops early.
-    return engine.decide(decision, should_stop=job.should_stop).to_wire()
+async def execute_decision(
+    runtime: ServerRuntime, request: Request, decision: DecisionRequest
+) -> DecisionResponse:
+    """The one decision path behind every decision route: admit, run on the engine, count tokens.
+
+    The engine enforces the per-model limits (state tokens, options per question) itself and polls
+    `should_stop` between decodes, so a decision past its deadline or whose client left stops early.
+    """
+    engine = runtime.require_engine()
+    job = runtime.scheduler.admit("decision", request.state.request_id)
+    response: DecisionResponse = await run_until_disconnect(
+        runtime, request, job, lambda job: engine.decide(decision, should_stop=job.should_stop)
+    )
+    runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
+    return response
+
+
+def _limits(runtime: ServerRuntime) -> dict[str, int]:
+    settings = runtime.settings
+    return {
+        "max_questions": settings.max_questions,
+        "max_options": settings.max_options,
+        "max_permutations": settings.max_permutations,
+    }
 
 
 async def handle_decision(runtime: ServerRuntime, request: Request, body: Any) -> Response:
-    engine = runtime.require_engine()
-    settings = runtime.settings
-    decision = parse_decision_request(
-        body,
-        max_questions=settings.max_questions,
-        max_options=settings.max_options,
-        max_permutations=settings.max_permutations,
-    )
-    job = runtime.scheduler.admit("decision", request.state.request_id)
-    wire = await run_until_disconnect(runtime, request, job, lambda job: _decide(engine, decision, job))
-    runtime.metrics.tokens.labels("decision_input").inc(wire.get("usage", {}).get("input_tokens", 0))
-    return JSONResponse(wire)
+    """`POST /v1/systemone` (Jev / SemIf)."""
+    runtime.require_engine()
+    decision = parse_decision_request(body, **_limits(runtime))
+    response = await execute_decision(runtime, request, decision)
+    return JSONResponse(response.to_wire())
+
+
+async def handle_openai_decision(runtime: ServerRuntime, request: Request, body: Any) -> Response:
+    """`POST /v1/decisions` (OpenAI's Decisions API, `client.decisions.create`)."""
+    runtime.require_engine()
+    plan = parse_openai_decision_request(body, **_limits(runtime))
+    try:
+        response = await execute_decision(runtime, request, plan.request)
+    except RequestError as exc:  # engine limits name internal fields: point them at the OpenAI ones
+        raise plan.relocate(exc) from None
+    return JSONResponse(plan.response(response))
 
 
 # --- chat ----------------------------------------------------------------------------------------
@@ -272,7 +297,7 @@ async def _stream_chat(
             yield _sse_data(exc.to_wire())
         except Exception as exc:
             log.exception("stream %s failed", job.request_id)
-            yield _sse_data(internal_error_body(exc))
+            yield _sse_data(internal_error(exc).to_wire())
         finally:
             job.cancel()  # stops generation if the client went away mid-stream
         yield "data: [DONE]\n\n"
@@ -284,12 +309,6 @@ def _sse_data(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def internal_error_body(exc: BaseException) -> dict[str, Any]:
-    return {
-        "error": {
-            "type": "api_error",
-            "code": "internal_error",
-            "message": f"internal error ({type(exc).__name__}); see the server log",
-            "param": None,
-        }
-    }
+def internal_error(exc: BaseException) -> DeciderError:
+    """What a client sees of a bug: the usual error body, no traceback (that goes to the log)."""
+    return DeciderError(f"internal error ({type(exc).__name__}); see the server log", code="internal_error")

@@ -15,7 +15,15 @@ from prometheus_client import (
 # Paths that get their own label value; anything else is "other" so that scanners and fuzzers
 # cannot blow up the label cardinality.
 KNOWN_ROUTES = frozenset(
-    {"/ping", "/invocations", "/v1/systemone", "/v1/chat/completions", "/v1/models", "/metrics"}
+    {
+        "/ping",
+        "/invocations",
+        "/v1/systemone",
+        "/v1/decisions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/metrics",
+    }
 )
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 120)
 
