@@ -136,6 +136,11 @@ def test_a_single_character_marker_cannot_be_neutralized_and_fails_the_load():
         CallerText([Marker(7, "|", "setting")], tokenize)
 
 
+def test_a_marker_spelled_out_in_a_branch_no_probe_reaches_is_found_in_the_source(vocab):
+    unreachable = chatml(FALLBACK_TEMPLATES["chatml"] + "{% if never_set %}<img>{% endif %}")
+    assert CallerText.for_model(vocab, unreachable).report()["template"] == ["<img>"]
+
+
 def test_template_printed_tokens_cut_out_message_contents(vocab):
     printed = template_printed_tokens(chatml(THINKING), vocab)
     assert {1000, 1001, 1002, 1003, 1005, 1006} <= printed

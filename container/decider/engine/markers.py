@@ -11,7 +11,8 @@ At load, three kinds of token are classified as markers:
 - `control`: every CONTROL token of the vocabulary (`<|im_end|>`, `<start_of_turn>`, …);
 - `template`: every USER_DEFINED token the chat template prints, found by rendering it over probe
   conversations (system, multi-turn, thinking on and off, tools and tool calls, image parts) and
-  tokenizing what the template itself wrote; whitespace-only tokens are never markers;
+  tokenizing what the template itself wrote, plus those whose text the template source spells out
+  (branches no probe reaches); whitespace-only tokens are never markers;
 - `setting`: the token texts listed in `DECIDER_MARKER_TOKENS` (each must be one token).
 
 `CallerText.tokenize` is the one way caller text (states, instructions, options, chat message
@@ -134,11 +135,13 @@ class CallerText:
             elif attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED:
                 user_defined.add(token)
         markers = [Marker(token, _text(vocab, token), "control") for token in control]
+        texts = {token: _text(vocab, token) for token in user_defined}
         printed = template_printed_tokens(template, vocab) & user_defined
+        printed |= {token for token, text in texts.items() if text.strip() and text in template.text}
         markers += [
-            Marker(token, text, "template")
+            Marker(token, texts[token], "template")
             for token in sorted(printed)
-            if (text := _text(vocab, token)).strip()  # whitespace runs are ordinary text
+            if texts[token].strip()  # whitespace runs are ordinary text
         ]
         known = {marker.token for marker in markers}
         for text in configured:
