@@ -11,11 +11,20 @@ exception: SageMaker sets `SAGEMAKER_BIND_TO_PORT`, which wins over `DECIDER_POR
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "DECIDER_"
@@ -26,6 +35,7 @@ SAGEMAKER_MAX_BODY_BYTES = 6 * 1024 * 1024
 # GGML_FA_TILE_Q). Both round differently from the per-row kernel, so batch-invariant mode keeps
 # every micro-batch between 2 and 63 tokens (the engine pads a lone last token).
 INVARIANT_MAX_UBATCH = 63
+MIN_API_KEY_LENGTH = 16
 QuestionType = Literal["noul", "choice", "score"]
 
 
@@ -63,6 +73,13 @@ class Settings(BaseSettings):
         "chatml",
         description="Template used when the GGUF carries none (base models): ChatML text, "
         "or a plain 'System:/User:/Assistant:' layout.",
+    )
+    marker_tokens: tuple[str, ...] = Field(
+        (),
+        description="Token texts that caller text must never produce, on top of the vocabulary's control "
+        "tokens and the user-defined tokens the chat template prints, as a JSON list, e.g. "
+        '["<start_of_image>", "<end_of_image>"]. Each must be one token of the model; caller text '
+        "holding one is tokenized as plain text.",
     )
 
     # --- llama.cpp context ---------------------------------------------------------------
@@ -131,6 +148,15 @@ class Settings(BaseSettings):
     )
 
     # --- HTTP ------------------------------------------------------------------------------
+    # InvokeEndpoint "strips all POST headers except those supported by the API" and is authorized by
+    # SigV4/IAM (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_runtime_InvokeEndpoint.html),
+    # so an Authorization header never reaches the container there: the key is for other hosts.
+    api_key: SecretStr | None = Field(
+        None,
+        description="When set, every route but /ping requires `Authorization: Bearer <key>` (401 otherwise). "
+        "For use outside SageMaker only: SageMaker does not forward Authorization, and its IAM "
+        "auth is the gate there, so to_environment() refuses to put a key into an endpoint.",
+    )
     host: str = Field("0.0.0.0", description="Bind address.")  # noqa: S104 - container port
     port: int = Field(
         8080,
@@ -140,6 +166,25 @@ class Settings(BaseSettings):
         description="Listen port; SageMaker's SAGEMAKER_BIND_TO_PORT wins.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        key = value.get_secret_value()
+        if len(key) < MIN_API_KEY_LENGTH:
+            raise ValueError(f"the API key must be at least {MIN_API_KEY_LENGTH} characters")
+        if not all("!" <= char <= "~" for char in key):
+            raise ValueError("the API key must be printable ASCII without spaces (a bearer token)")
+        return value
+
+    @field_validator("marker_tokens")
+    @classmethod
+    def _check_markers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not text for text in value):
+            raise ValueError("marker token texts must not be empty")
+        return value
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:
@@ -194,16 +239,30 @@ class Settings(BaseSettings):
     def to_environment(self, *, only_set: bool = False) -> dict[str, str]:
         """The environment that reproduces these settings, as SageMaker's `Environment` map.
 
-        Host and port are left out: SageMaker owns them.
+        Host and port are left out: SageMaker owns them. Unset optional values (None, an empty
+        list) are left out too. An API key is refused: it would be stored in clear in the
+        endpoint's model definition, and it would lock SageMaker out (InvokeEndpoint forwards
+        only `X-Amzn-SageMaker-Custom-Attributes`, never `Authorization`).
         """
+        if self.api_key is not None:
+            raise ValueError(
+                f"{self.env_name('api_key')} is for servers outside SageMaker: SageMaker does not forward "
+                "the Authorization header (IAM authorizes InvokeEndpoint), and the key would be stored in "
+                "clear in the model's environment"
+            )
         fields = self.model_fields_set if only_set else type(self).model_fields.keys()
         env: dict[str, str] = {}
         for name in sorted(fields):
             if name in {"host", "port"}:
                 continue
             value = getattr(self, name)
-            if value is None:
+            if value is None or value == ():
                 continue
-            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, tuple):
+                text = json.dumps(list(value), ensure_ascii=False)
+            else:
+                text = str(value)
             env[self.env_name(name)] = text
         return env

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from decider.engine import generation
 from decider.engine.decisions import DecisionPlan, DecisionPlanner
 from decider.engine.labels import LabelError, LabelTable, build_label_table
+from decider.engine.markers import CallerText, MarkerError
 from decider.engine.modelfile import display_name, quantization_from_name, resolve_model_file, verify_sha256
 from decider.engine.native import ContextConfig, LlamaRuntime, NativeError
 from decider.engine.prompt import (
@@ -63,6 +64,7 @@ class ModelInfo(BaseModel):
     prompt_version: str
     max_options: int
     slot_labels: tuple[str, ...]  # the single-token labels (questions with up to this many options)
+    markers: dict[str, list[str]]  # token texts caller text never becomes, by source (engine/markers.py)
 
 
 class DecisionEngine:
@@ -75,10 +77,12 @@ class DecisionEngine:
         template: ChatTemplate,
         planner: DecisionPlanner,
         info: ModelInfo,
+        caller: CallerText,
     ) -> None:
         self.settings = settings
         self._rt = runtime
         self._template = template
+        self._caller = caller
         self.planner = planner
         self.model_info = info
         self.max_options = info.max_options
@@ -106,11 +110,13 @@ class DecisionEngine:
             raise StartupError(str(exc)) from exc
         try:
             template = _chat_template(runtime, settings)
+            frame = PromptFrame.from_template(template)
+            caller = CallerText.for_model(runtime, template, settings.marker_tokens)
             builder = PromptBuilder(
-                PromptFrame.from_template(template),
+                frame,
                 PROMPT_FORMATS[settings.prompt_version],
                 lambda text: runtime.tokenize(text, special=True),
-                lambda text: runtime.tokenize(text, special=False),
+                caller.tokenize,
                 runtime.bos,
                 runtime.add_bos,
             )
@@ -120,7 +126,7 @@ class DecisionEngine:
                 runtime.piece,
                 settings.max_options,
             )
-        except (TemplateUnusableError, LabelError) as exc:
+        except (TemplateUnusableError, LabelError, MarkerError) as exc:
             runtime.close()
             raise StartupError(f"{path.name}: {exc}") from exc
         quantization = runtime.quantization or quantization_from_name(path) or "unknown"
@@ -142,6 +148,7 @@ class DecisionEngine:
             prompt_version=builder.version,
             max_options=len(labels),
             slot_labels=tuple(label.text for label in labels.single),
+            markers=caller.report(),
         )
         planner = DecisionPlanner(
             settings,
@@ -152,7 +159,7 @@ class DecisionEngine:
             piece=runtime.piece,
             model_id=info.id,
         )
-        return cls(settings, runtime, template, planner, info)
+        return cls(settings, runtime, template, planner, info, caller)
 
     def close(self) -> None:
         if self._local is not None:
@@ -174,7 +181,13 @@ class DecisionEngine:
         return self.planner.builder.head_tokens
 
     def count_tokens(self, text: str) -> int:
-        return len(self._rt.tokenize(text, special=False))
+        """Tokens of caller text, as the prompt holds them."""
+        return len(self._caller.tokenize(text))
+
+    @property
+    def caller_text(self) -> CallerText:
+        """The one tokenizer of caller text (markers neutralized), for tests and audits."""
+        return self._caller
 
     def render_prompt(
         self, state: Any, instructions: Any, options: list[tuple[str, Any]]
@@ -219,7 +232,7 @@ class DecisionEngine:
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Chat prompt tokens; a conversation the model's template refuses is a 422, not a 500."""
         try:
-            return generation.chat_tokens(self._template, self._rt, messages)
+            return generation.chat_tokens(self._template, self._rt, self._caller.tokenize, messages)
         except TemplateUnusableError as exc:
             raise RequestError(
                 f"The model's chat template rejects these messages: {exc}",

@@ -205,6 +205,10 @@ class LlamaRuntime:
     def is_control(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
 
+    def token_attr(self, token: int) -> int:
+        """The token's `LLAMA_TOKEN_ATTR_*` flags (CONTROL, USER_DEFINED, …)."""
+        return int(llama_cpp.llama_vocab_get_attr(self._vocab, token))
+
     def tokenize(self, text: str, *, special: bool) -> list[int]:
         """Tokens of `text`, never adding BOS/EOS. `special=True` parses `<|im_end|>`-style markers."""
         data = text.encode(

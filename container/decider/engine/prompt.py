@@ -12,12 +12,19 @@ options). Two versions exist, selected by `DECIDER_PROMPT_VERSION` and reported 
 The template is rendered once, with sentinel strings in place of the two message texts, and split
 at the sentinels into fixed template pieces. Template pieces are tokenized with special-token
 parsing on (they hold `<|im_start|>` and friends); the system text and the caller's text with
-parsing off, so a `<|im_end|>` inside a state stays plain text.
+`CallerText.tokenize` (`engine/markers.py`: parsing off and no marker token), so a `<|im_end|>` or
+a `</think>` inside a state stays plain text.
 
 Per request the state segment is serialized and tokenized once, and each question's tail on its
 own. The cut between them sits where tokenizers start a new pre-token (before a space or after a
 newline); `PromptBuilder.for_state` checks one whole prompt against a full tokenization and falls
 back to tokenizing whole prompts when the segments would tokenize differently.
+
+Templates run in the environment Hugging Face's `apply_chat_template` gives them (`trim_blocks`,
+`lstrip_blocks`, no kept trailing newline, the `loopcontrols` extension and the `{% generation %}`
+tag, `tojson` without ASCII escaping, `raise_exception`, `strftime_now`). The decision prompt sees
+a fixed date, `DECISION_PROMPT_DATE`, part of the prompt version: it never changes with the day the
+server runs. Chat sees the real date (UTC).
 """
 
 from __future__ import annotations
@@ -30,9 +37,12 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any
 
-from jinja2 import Template, TemplateError
+from jinja2 import Template, TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# What `strftime_now` returns in decision prompts (part of every prompt version).
+DECISION_PROMPT_DATE = datetime(2026, 1, 1, tzinfo=UTC)
 SYSTEM_PROMPT = (
     "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
     "Respond with only its letter, with no explanation or reasoning."
@@ -53,15 +63,46 @@ FALLBACK_TEMPLATES: dict[str, str] = {
 _SYSTEM_SENTINEL = "\x00DECIDER-SYSTEM-7f3a\x00"
 _USER_SENTINEL = "\x00DECIDER-USER-7f3a\x00"
 
-Tokenize = Callable[[str, bool], list[int]]
+Tokenize = Callable[[str], list[int]]
 
 
 class TemplateUnusableError(ValueError):
-    """The chat template cannot render the two-message prompt."""
+    """The chat template cannot compile, or cannot render these messages."""
 
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Hugging Face's `tojson`: plain `json.dumps`, non-ASCII kept (Jinja's own escapes HTML)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _clock(now: datetime | None) -> Callable[[str], str]:
+    return lambda fmt: (now or datetime.now(UTC)).strftime(fmt)
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}…{% endgeneration %}` (Hugging Face's assistant-mask tag): renders its body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
 
 
 @dataclass(frozen=True)
@@ -76,23 +117,36 @@ class ChatTemplate:
     @cached_property
     def _compiled(self) -> Template:
         """The template compiled once (on first render), not on every chat request."""
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
+        )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now(UTC).strftime(fmt)
+        env.globals["strftime_now"] = _clock(None)
         return env.from_string(self.text)
 
-    def render(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        now: datetime | None = None,
+        **context: Any,
+    ) -> str:
+        """Render; `now` fixes what `strftime_now` returns, `context` overrides the variables
+        (`enable_thinking=False`, `tools=None`). Any failure is a `TemplateUnusableError`."""
+        variables = {"enable_thinking": False, "tools": None, **context}
         try:
             return self._compiled.render(
                 messages=list(messages),
                 add_generation_prompt=add_generation_prompt,
-                enable_thinking=False,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                tools=None,
+                strftime_now=_clock(now),
+                **variables,
             )
-        except TemplateError as exc:
-            raise TemplateUnusableError(str(exc)) from exc
+        except Exception as exc:  # templates fail in many ways (TypeError, KeyError, …), all the caller's
+            raise TemplateUnusableError(f"{type(exc).__name__}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -121,7 +175,7 @@ class PromptFrame:
         last_error = "no attempt"
         for messages, folded in attempts:
             try:
-                text = template.render(messages)
+                text = template.render(messages, now=DECISION_PROMPT_DATE)
             except TemplateUnusableError as exc:
                 last_error = str(exc)
                 continue
@@ -221,15 +275,15 @@ class PromptBuilder:
     """Turns states and questions into prompt tokens, tokenizing caller text with special parsing off.
 
     `tokenize_template(text)` parses special tokens (template pieces only); `tokenize_text(text)`
-    never does (system text and caller text).
+    never does, nor lets a marker token through (`CallerText.tokenize`: system text, caller text).
     """
 
     def __init__(
         self,
         frame: PromptFrame,
         fmt: PromptFormat,
-        tokenize_template: Callable[[str], list[int]],
-        tokenize_text: Callable[[str], list[int]],
+        tokenize_template: Tokenize,
+        tokenize_text: Tokenize,
         bos: int | None,
         add_bos: bool,
     ) -> None:

@@ -246,7 +246,7 @@ class DecisionWork:
             return  # branches are copied only from a fully decoded prefix
         self._plan_children(state, step)
         base = len(self.head) + len(prefix)
-        while state.pending and step.seqs.available and self._fits(step, state, state.pending[0]):
+        while state.pending and step.seqs.available and self._fits(step, state, state.pending[0], 0):
             item = state.pending.popleft()
             seq = self._acquire(step)
             assert state.seq is not None
@@ -264,14 +264,17 @@ class DecisionWork:
     def _plan_fresh(self, state: _StateRun, step: Step) -> None:
         self._plan_children(state, step)
         before = [*self.head, *state.plan.prefix]
-        while state.pending and step.seqs.available and self._fits(step, state, state.pending[0]):
+        while (
+            state.pending and step.seqs.available and self._fits(step, state, state.pending[0], len(before))
+        ):
             item = state.pending.popleft()
             self._open_branch(step, state, item, self._acquire(step), [*before, *item.tokens], 0)
 
     @staticmethod
-    def _fits(step: Step, state: _StateRun, item: Item) -> bool:
+    def _fits(step: Step, state: _StateRun, item: Item, before: int) -> bool:
+        """The item's branch row fits this step (`before`: prompt tokens ahead of its own, fresh mode)."""
         cells = state.item_cells[id(item)]
-        if len(item.tokens) > step.tokens_left:
+        if before + len(item.tokens) > step.tokens_left:
             return False
         if state.streaming:  # beyond its reservation, a streaming state takes what is free
             if cells > step.cells_left:

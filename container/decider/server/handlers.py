@@ -32,6 +32,7 @@ from decider.schemas.chat import (
     parse_chat_request,
 )
 from decider.schemas.decision import parse_batch_request, parse_decision_request
+from decider.schemas.openai_decisions import parse_openai_decision_request
 from decider.server.runtime import Engine, ServerRuntime
 from decider.server.scheduler import ClientGoneError, Job, deadline_error
 
@@ -103,15 +104,38 @@ async def handle_batch(runtime: ServerRuntime, request: Request, body: Any) -> R
     return await _decide(runtime, request, engine, prepare)
 
 
+async def handle_openai_decision(runtime: ServerRuntime, request: Request, body: Any) -> Response:
+    """`POST /v1/decisions` (OpenAI's Decisions API, `client.decisions.create`): translated to the
+    same decision request, planned, batched and answered the same way."""
+    engine = runtime.require_engine()
+    translated = parse_openai_decision_request(body, **_limits(runtime))
+
+    def prepare() -> Any:
+        try:
+            return engine.plan_decision(translated.request)
+        except RequestError as exc:  # engine limits name internal fields: point them at OpenAI's
+            raise translated.relocate(exc) from None
+
+    response = await execute_decision(runtime, request, engine, prepare)
+    return JSONResponse(translated.response(response))
+
+
 async def _decide(
     runtime: ServerRuntime, request: Request, engine: Engine, prepare: Callable[[], Any]
 ) -> Response:
+    return JSONResponse((await execute_decision(runtime, request, engine, prepare)).to_wire())
+
+
+async def execute_decision(
+    runtime: ServerRuntime, request: Request, engine: Engine, prepare: Callable[[], Any]
+) -> Any:
+    """The one decision path behind every decision route: plan (validate and tokenize) on a worker
+    thread, admit by token count, run batched on the engine thread, count tokens."""
     plan = await asyncio.to_thread(prepare)  # parsing and tokenizing never block the event loop
     job = runtime.scheduler.admit("decision", request.state.request_id, plan.cost_tokens)
     response = await run_until_disconnect(runtime, request, job, engine.decision_work(plan))
-    wire = response.to_wire()
-    runtime.metrics.tokens.labels("decision_input").inc(wire.get("usage", {}).get("input_tokens", 0))
-    return JSONResponse(wire)
+    runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
+    return response
 
 
 # --- chat ----------------------------------------------------------------------------------------
@@ -250,7 +274,7 @@ async def _stream_chat(
             yield _sse_data(exc.to_wire())
         except Exception as exc:
             log.exception("stream %s failed", job.request_id)
-            yield _sse_data(internal_error_body(exc))
+            yield _sse_data(internal_error(exc).to_wire())
         finally:
             job.cancel()  # stops generation if the client went away mid-stream
         yield "data: [DONE]\n\n"
@@ -262,12 +286,6 @@ def _sse_data(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def internal_error_body(exc: BaseException) -> dict[str, Any]:
-    return {
-        "error": {
-            "type": "api_error",
-            "code": "internal_error",
-            "message": f"internal error ({type(exc).__name__}); see the server log",
-            "param": None,
-        }
-    }
+def internal_error(exc: BaseException) -> DeciderError:
+    """What a client sees of a bug: the usual error body, no traceback (that goes to the log)."""
+    return DeciderError(f"internal error ({type(exc).__name__}); see the server log", code="internal_error")

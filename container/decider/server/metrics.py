@@ -20,6 +20,7 @@ KNOWN_ROUTES = frozenset(
         "/invocations",
         "/v1/systemone",
         "/v1/systemone/batch",
+        "/v1/decisions",
         "/v1/chat/completions",
         "/v1/models",
         "/metrics",

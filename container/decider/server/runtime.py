@@ -115,7 +115,9 @@ class ServerRuntime:
                 "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"}
             )
         if self.state == "failed":
-            raise UnavailableError(f"the model failed to load: {self.failure}", code="model_unavailable")
+            raise UnavailableError(
+                f"the model failed to load: {self.failure}", code="model_unavailable", retryable=False
+            )
         raise UnavailableError(
             "the model is still loading", code="model_unavailable", headers={"Retry-After": "2"}
         )

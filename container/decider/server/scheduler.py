@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from decider.errors import (
     DeciderError,
     OverloadedError,
     RequestError,
+    RequestExceedsDeadlineError,
     UnavailableError,
 )
 from decider.server.metrics import ServerMetrics
@@ -50,6 +52,13 @@ EWMA_WEIGHT = 0.3  # weight of the newest measurement in the running estimates
 MIN_TIMED_TOKENS = 32  # steps smaller than this say more about per-step overhead than per-token cost
 ENGINE_NICENESS = 10  # how much lower the engine thread's CPU priority is than the HTTP loop's
 MAX_RETRY_AFTER_SECONDS = 60
+# A 504 after waiting at least this share of the deadline in the queue may succeed on a retry; one
+# whose work had the model nearly all along would only time out again.
+RETRYABLE_WAIT_FRACTION = 0.1
+# A request is refused as too large for the deadline (a 4xx, never retried) only if it could not
+# finish at the best decode rate of the last RATE_WINDOW timed steps: a busy machine's slow
+# moments must not turn into permanent refusals.
+RATE_WINDOW = 64
 
 
 class Backend(Protocol):
@@ -119,10 +128,12 @@ def lower_engine_thread_priority() -> None:
 
 def deadline_error(job: Job, deadline_seconds: float) -> DeadlineExceededError:
     where = "waiting for the model" if job.started_at is None else "while the model was working"
+    waited = (job.started_at or time.monotonic()) - job.admitted_at
     return DeadlineExceededError(
         f"the request passed its {deadline_seconds:g} s deadline {where} "
         f"(DECIDER_DEADLINE_SECONDS); retry later or send less work per request",
         code="deadline_exceeded",
+        retryable=waited >= RETRYABLE_WAIT_FRACTION * deadline_seconds,
     )
 
 
@@ -164,7 +175,8 @@ class Scheduler:
         self._dead_removed = 0  # dead cells of works already gone, since the last compaction
         self._head: list[int] = []
         self._head_ready = False
-        self.seconds_per_token: float | None = None
+        self.seconds_per_token: float | None = None  # recent decode cost (EWMA): for waits
+        self._recent_rates: deque[float] = deque(maxlen=RATE_WINDOW)  # for "cannot fit even idle"
         self.decodes = 0
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -222,14 +234,14 @@ class Scheduler:
                 )
             if spt and cost_tokens:
                 own = cost_tokens * spt
-                if own > self.deadline_seconds:
-                    self._metrics.rejections.labels("request_too_large").inc()
-                    raise RequestError(
-                        f"this request is {cost_tokens} tokens of work, about {own:.0f} s on this endpoint, "
-                        f"more than the {self.deadline_seconds:g} s deadline (DECIDER_DEADLINE_SECONDS) even "
-                        "with nothing else running; send fewer questions or states per request",
-                        code="request_too_large",
-                        status=422,
+                best = cost_tokens * min(self._recent_rates, default=spt)
+                if best > self.deadline_seconds:
+                    self._metrics.rejections.labels("request_exceeds_deadline").inc()
+                    raise RequestExceedsDeadlineError(
+                        f"this request is {cost_tokens} tokens of work, at least {best:.0f} s on this "
+                        f"endpoint, more than the {self.deadline_seconds:g} s deadline "
+                        "(DECIDER_DEADLINE_SECONDS) even with nothing else running; send fewer questions or "
+                        "states per request"
                     )
                 if predicted_wait + own > self.deadline_seconds:
                     self._metrics.rejections.labels("deadline_unreachable").inc()
@@ -404,6 +416,7 @@ class Scheduler:
         self._metrics.decode_tokens.observe(tokens)
         if tokens >= MIN_TIMED_TOKENS:
             rate = elapsed / tokens
+            self._recent_rates.append(rate)
             previous = self.seconds_per_token
             self.seconds_per_token = (
                 rate if previous is None else (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * rate
