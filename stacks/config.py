@@ -44,6 +44,9 @@ S3_PREFIX_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/
 INSTANCE_TYPE_RE = re.compile(r"^ml\.(?P<family>[a-z0-9\-]+)\.(?P<size>[a-z0-9]+)$")
 ENDPOINT_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
 EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+# On every model and endpoint config of an endpoint (the stacks' and `promote apply`'s): which endpoint
+# they belong to. `promote prune` deletes the unused ones it finds by this tag.
+ENDPOINT_TAG = "promote:endpoint"
 
 # InferenceAmiVersion values CloudFormation accepts (the AWS::SageMaker::EndpointConfig schema in
 # cfn-lint 1.58.0), minus the Neuron one. `al2023-…-gpu-4-1` ships driver 580 (CUDA 13.0): AWS's own

@@ -25,12 +25,9 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.common import retention_days
-from stacks.config import VariantConfig
+from stacks.config import ENDPOINT_TAG, VariantConfig
 from stacks.monitoring import VARIANT_NAME, EndpointAlarms
 from stacks.nag import acknowledge
-
-# Tag on the models and endpoint configs of an endpoint, shared with tools/promote (live.TAG_ENDPOINT).
-TAG_ENDPOINT = "promote:endpoint"
 
 
 @dataclass(frozen=True)
@@ -214,7 +211,7 @@ class DeciderEndpoint(Construct):
 
         self.alarms = EndpointAlarms(self, "Alarms", variant=variant)
         self.execution.allow_rollback_alarms([alarm.alarm_arn for alarm in self.alarms.rollback_alarms])
-        tags = [CfnTag(key=TAG_ENDPOINT, value=variant.endpoint_name)]
+        tags = [CfnTag(key=ENDPOINT_TAG, value=variant.endpoint_name)]
 
         self.model = sagemaker.CfnModel(
             self,
