@@ -749,3 +749,14 @@ def test_data_capture_and_linear_routing_when_configured(synth_prebuilt):
     assert routing["Type"] == "LINEAR" and routing["LinearStepSize"] == {"Type": "INSTANCE_COUNT", "Value": 1}
     # autoscaling off (the first step of an instance-type change): no scalable target at all
     assert not resources(synth_prebuilt.templates["GpuStack"], "AWS::ApplicationAutoScaling::ScalableTarget")
+
+
+def test_preflight_checks_the_bootstrap_version_the_templates_require(synth):
+    from tools.preflight.checks import MIN_BOOTSTRAP_VERSION
+
+    manifest = json.loads((synth.outdir / "manifest.json").read_text())["artifacts"]
+    for stack in STACKS:
+        assert manifest[stack]["properties"]["requiresBootstrapStackVersion"] == MIN_BOOTSTRAP_VERSION
+        rule = synth.templates[stack]["Rules"]["CheckBootstrapVersion"]["Assertions"][0]
+        refused = rule["Assert"]["Fn::Not"][0]["Fn::Contains"][0]
+        assert refused == [str(v) for v in range(1, MIN_BOOTSTRAP_VERSION)]
