@@ -25,7 +25,7 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.common import retention_days
-from stacks.config import ENDPOINT_TAG, VariantConfig
+from stacks.config import ENDPOINT_TAG, VariantConfig, supports_volume_kms
 from stacks.monitoring import VARIANT_NAME, EndpointAlarms
 from stacks.nag import acknowledge
 
@@ -278,9 +278,10 @@ class DeciderEndpoint(Construct):
             tags=tags,
         )
         self.endpoint_config.apply_removal_policy(RemovalPolicy.RETAIN)
-        if self.volume_key is None:
+        if self.volume_key is None and not variant.on_ebs:  # volume_kms=false on EBS stays a finding
+            nvme = ", ".join(t for t in variant.instance_types if not supports_volume_kms(t))
             reason = (
-                f"{variant.instance_type} keeps the model on local NVMe instance storage, which SageMaker "
+                f"{nvme} keeps the model on local NVMe instance storage, which SageMaker "
                 "encrypts with a hardware key and for which CreateEndpointConfig rejects KmsKeyId."
             )
             for pack in ("HIPAA.Security", "NIST.800.53.R5", "PCI.DSS.321"):

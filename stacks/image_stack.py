@@ -12,7 +12,7 @@ do not stop a delete, so ImageStack has termination protection: delete GpuStack 
 from __future__ import annotations
 
 import yaml
-from aws_cdk import Aws, Duration, RemovalPolicy, Stack
+from aws_cdk import Aws, CfnOutput, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_events as events
@@ -558,6 +558,13 @@ class ImageStack(Stack):
             project=config.project,
             endpoint_stacks=endpoint_stacks,
             log_retention=retention,
+        )
+        CfnOutput(
+            self,
+            "ImageRepositoryUri",
+            value=self.repository.repository_uri,
+            description="Push CI images here (buildspec/pipeline.yml IMAGE_REPOSITORY_URI): deployed digests "
+            "get the keep-<digest> tag its lifecycle policy never expires",
         )
         # The buildspecs as StartBuild's buildspecOverride (the same YAML as the projects' own).
         self.image_buildspec = self.projects.image_buildspec.to_build_spec()
