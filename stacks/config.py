@@ -593,10 +593,11 @@ def _gpu_type_problems(key: str, instance_type: str) -> list[str]:
             return [f"{key}: {instance_type} has no NVIDIA GPU; the CUDA image needs one (e.g. ml.g6.xlarge)"]
         return [f"{key}: {instance_type} has no GPU; the gpu variant needs one (e.g. ml.g6.xlarge)"]
     if model.cuda_arch not in CUDA_IMAGE_ARCHITECTURES:
+        known = {t.split(".")[1] for t in INSTANCE_TYPES}
         supported = ", ".join(
             f"{family} (sm_{m.cuda_arch})"
             for family, m in GPU_FAMILIES.items()
-            if m.cuda_arch in CUDA_IMAGE_ARCHITECTURES
+            if m.cuda_arch in CUDA_IMAGE_ARCHITECTURES and family in known
         )
         return [
             f"{key}: {instance_type} has an {model.name} (sm_{model.cuda_arch}), which needs CUDA 12.8 or "

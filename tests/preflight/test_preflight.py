@@ -29,7 +29,8 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     for stub in stubs.values():
         stub.activate()
     stubs["sts"].add_response(
-        "get_caller_identity", {"Account": ACCOUNT, "Arn": f"arn:aws:iam::{ACCOUNT}:user/ops", "UserId": "AIDAEXAMPLE"}
+        "get_caller_identity",
+        {"Account": ACCOUNT, "Arn": f"arn:aws:iam::{ACCOUNT}:user/ops", "UserId": "AIDAEXAMPLE"},
     )
     yield {"clients": clients, **stubs}
     for stub in stubs.values():
