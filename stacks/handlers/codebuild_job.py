@@ -397,7 +397,12 @@ def on_event(
     """Create/Update start (or settle) the job; Delete keeps what was built."""
     request = event["RequestType"]
     props = event["ResourceProperties"]
-    LOG.info("%s %s", request, {k: v for k, v in props.items() if k not in {"ServiceToken", "Buildspec"}})
+    # Not logged: the buildspec (long) and the wait handle (a presigned URL that can signal the stack).
+    LOG.info(
+        "%s %s",
+        request,
+        {k: v for k, v in props.items() if k not in {"ServiceToken", "Buildspec", "WaitHandle"}},
+    )
     if request == "Delete":
         return {"PhysicalResourceId": event["PhysicalResourceId"]}
     clients = clients if clients is not None else Clients()
