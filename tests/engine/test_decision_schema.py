@@ -6,8 +6,6 @@ import math
 import pytest
 from decider.errors import RequestError
 from decider.schemas.decision import (
-    NOUL_FALSE_DEFAULT,
-    NOUL_TRUE_DEFAULT,
     ChoiceAnswer,
     DecisionResponse,
     NoulAnswer,
@@ -37,7 +35,7 @@ def test_example_parses_in_order_with_defaults():
         ("sales", "sales"),
     ]
     assert [o.key for o in anger.options] == ["0", "1", "2"]
-    assert [o.description for o in refund.options] == [NOUL_TRUE_DEFAULT, NOUL_FALSE_DEFAULT]
+    assert [o.description for o in refund.options] == [None, None]  # the prompt version's defaults
     assert req.permutations == 1 and req.extensions is False and req.mode is None
 
 
@@ -55,7 +53,7 @@ def test_structured_state_keeps_key_order_and_noul_sides_default_independently()
         }
     )
     assert list(req.state) == ["z", "a"]
-    assert [o.description for o in req.questions[0].options] == ["Yes it is", NOUL_FALSE_DEFAULT]
+    assert [o.description for o in req.questions[0].options] == ["Yes it is", None]
     assert req.questions[0].instructions == {"task": "x"}
 
 
@@ -124,7 +122,7 @@ def test_structured_state_keeps_key_order_and_noul_sides_default_independently()
             "questions.q.criteria.1",
         ),
         (
-            with_question({"type": "choice", "criteria": {f"o{i}": None for i in range(65)}}),
+            with_question({"type": "choice", "criteria": {f"o{i}": None for i in range(256)}}),
             "option_count_unsupported",
             "questions.q.criteria",
         ),

@@ -4,7 +4,17 @@ import math
 
 import numpy as np
 import pytest
-from decider.engine.engine import _chunks, _Item, common_prefix_length
+from decider.engine.decisions import Item, allowed_mass, common_prefix_length, label_scores
+from decider.engine.labels import (
+    READOUT_CHAIN,
+    READOUT_SINGLE,
+    Label,
+    LabelError,
+    LabelTable,
+    LabelTrie,
+    check_prefix_free,
+)
+from decider.engine.native import RowOutput
 from decider.engine.readout import (
     align_to_options,
     allowed_token_mass,
@@ -78,17 +88,61 @@ def test_common_prefix_keeps_one_token_to_decode():
     assert common_prefix_length([[9], [1]]) == 0
 
 
-def _item(n_tokens: int) -> _Item:
+def _labels(*token_lists: tuple[int, ...]) -> tuple[Label, ...]:
+    return tuple(Label(f"L{i}", tokens) for i, tokens in enumerate(token_lists))
+
+
+def _item(labels: tuple[Label, ...]) -> Item:
     question = Question(
         key="q",
-        type="noul",
+        type="choice",
         instructions="x",
-        options=(Option(key="true", description="y"), Option(key="false", description="n")),
+        options=tuple(Option(key=f"o{i}", description="d") for i in range(len(labels))),
     )
-    return _Item(question=question, order=(0, 1), tokens=list(range(n_tokens)), sha256="")
+    order = tuple(range(len(labels)))
+    return Item(question=question, order=order, labels=labels, trie=LabelTrie.of(labels), tokens=[1, 2])
 
 
-def test_chunks_respect_branch_and_cell_limits():
-    items = [_item(10 + 5) for _ in range(7)]  # prefix 10, suffix 5 each
-    assert [len(c) for c in _chunks(items, 10, max_branches=3, cell_budget=100)] == [3, 3, 1]
-    assert [len(c) for c in _chunks(items, 10, max_branches=31, cell_budget=12)] == [2, 2, 2, 1]
+def test_the_label_trie_needs_one_position_per_distinct_label_prefix():
+    trie = LabelTrie.of(_labels((1,), (2,), (3, 4), (3, 5), (6, 7)))
+    assert trie.nodes == {(): (1, 2, 3, 6), (3,): (4, 5), (6,): (7,)}
+    assert trie.children(()) == [(3,), (6,)]
+    assert trie.children((3,)) == []
+    assert LabelTrie.of(_labels((1,), (2,))).nodes == {(): (1, 2)}
+
+
+def test_single_token_labels_score_by_their_logits():
+    item = _item(_labels((1,), (2,), (3,)))
+    item.outputs[()] = RowOutput(logits=np.array([0.5, 2.0, -1.0]), logsumexp=4.0)
+    assert item.readout == READOUT_SINGLE
+    assert label_scores(item) == [0.5, 2.0, -1.0]
+    assert allowed_mass(item) == pytest.approx(
+        math.exp(math.log(math.exp(0.5) + math.exp(2) + math.exp(-1)) - 4.0)
+    )
+
+
+def test_multi_token_labels_score_by_the_chain_rule_over_full_vocabulary_logprobs():
+    item = _item(_labels((1,), (3, 4), (3, 5)))
+    item.outputs[()] = RowOutput(logits=np.array([1.0, 2.0]), logsumexp=3.0)  # ids (1, 3)
+    item.outputs[(3,)] = RowOutput(logits=np.array([0.0, -2.0]), logsumexp=1.5)  # ids (4, 5)
+    assert item.readout == READOUT_CHAIN
+    expected = [1.0 - 3.0, (2.0 - 3.0) + (0.0 - 1.5), (2.0 - 3.0) + (-2.0 - 1.5)]
+    assert label_scores(item) == pytest.approx(expected)
+    # the declared labels' share of the model's probability is the sum of their sequence probabilities
+    assert allowed_mass(item) == pytest.approx(sum(math.exp(v) for v in expected))
+
+
+def test_a_label_set_must_be_prefix_free():
+    check_prefix_free(_labels((1,), (2, 3)))
+    with pytest.raises(LabelError, match="extends another label"):
+        check_prefix_free(_labels((1,), (1, 3)))
+
+
+def test_questions_beyond_the_single_token_labels_use_two_letter_codes():
+    single = tuple(Label(chr(65 + i), (i,)) for i in range(3))
+    double = tuple(Label(f"A{chr(65 + i)}", (100 + i,)) for i in range(5))
+    table = LabelTable(single=single, double=double, limit=5)
+    assert table.for_count(3) == single
+    assert table.for_count(4) == double[:4]
+    with pytest.raises(ValueError, match="exceed"):
+        table.for_count(6)

@@ -297,11 +297,14 @@ class DecisionPlanner:
         by_question: dict[str, list[Item]] = {}
         for item in state.items:
             by_question.setdefault(item.question.key, []).append(item)
+        head = plan.head_tokens
+        before = head + len(state.prefix)  # prompt tokens ahead of each item's own
         answers: dict[str, Answer] = {
-            question.key: self._answer(question, by_question.get(question.key, []), request.extensions)
+            question.key: self._answer(
+                question, by_question.get(question.key, []), request.extensions, before
+            )
             for question in request.questions
         }
-        head = plan.head_tokens
         if plan.mode == "fresh":
             input_tokens = sum(head + len(state.prefix) + len(item.tokens) for item in state.items)
         else:
@@ -329,7 +332,7 @@ class DecisionPlanner:
             extensions=extensions,
         )
 
-    def _answer(self, question: Question, items: list[Item], with_extensions: bool) -> Answer:
+    def _answer(self, question: Question, items: list[Item], with_extensions: bool, before: int) -> Answer:
         keys = [option.key for option in question.options]
         temperature = self.settings.temperature_for(question.type)
         if not items:  # a single candidate: certain, without running the model
@@ -340,7 +343,7 @@ class DecisionPlanner:
             probs = softmax(scores, temperature)
         extensions = None
         if with_extensions:
-            extensions = self._answer_extensions(question, items, keys, scores, temperature)
+            extensions = self._answer_extensions(question, items, keys, scores, temperature, before)
         if question.type == "noul":
             return NoulAnswer(noul=probs[0], extensions=extensions)
         probabilities = dict(zip(keys, probs, strict=True))
@@ -360,7 +363,13 @@ class DecisionPlanner:
         )
 
     def _answer_extensions(
-        self, question: Question, items: list[Item], keys: list[str], scores: list[float], temperature: float
+        self,
+        question: Question,
+        items: list[Item],
+        keys: list[str],
+        scores: list[float],
+        temperature: float,
+        before: int,
     ) -> dict[str, Any]:
         if not items:
             return {"readout": "single-candidate", "temperature": temperature, "input_tokens": 0}
@@ -380,7 +389,7 @@ class DecisionPlanner:
             "allowed_token_mass": float(np.mean([allowed_mass(item) for item in items])),
             "prompt_sha256": hashlib.sha256((first.text or "").encode("utf-8")).hexdigest(),
             "prompt_version": self.builder.version,
-            "input_tokens": len(self.builder.head_tokens) + len(first.tokens),
+            "input_tokens": before + len(first.tokens),
             "temperature": temperature,
             "full_vocab_argmax_id": argmax_id,
             "full_vocab_argmax_text": self._piece(argmax_id).decode("utf-8", errors="replace")

@@ -7,7 +7,8 @@ its tokens decode back to it.
 
 - `single`: A–Z, then the two-letter pairs that are ONE token (AA, AB, …), in that order. A
   question with at most `len(single)` options uses them: its probabilities are a softmax over one
-  logit per option, read at the prompt's last position.
+  logit per option, read at the prompt's last position. Large vocabularies hold all 255 (SmolLM2
+  and Gemma 3 do).
 - `double`: every two-letter code AA, AB, …, ZZ, whatever its token count. A question with more
   options than `single` holds uses these. Codes of equal length are textually prefix-free, so no
   label's tokens are a prefix of another's, and each label's probability is well defined: the
@@ -72,8 +73,11 @@ def build_label_table(
     tokenize: Callable[[str], list[int]],
     piece: Callable[[int], bytes],
     wanted: int,
+    *,
+    single_limit: int = MAX_OPTIONS,
 ) -> LabelTable:
-    """Verify the candidate labels on a probe prompt; `wanted` caps how many options a question may have."""
+    """Verify the candidate labels on a probe prompt; `wanted` caps how many options a question may
+    have, `single_limit` how many single-token labels are used before two-letter codes take over."""
     probe_text, probe_tokens = builder.probe(PROBE_STATE, PROBE_QUESTION, PROBE_OPTIONS)
 
     def verified(label: str) -> Label | None:
@@ -87,7 +91,7 @@ def build_label_table(
     single: list[Label] = []
     rejected: list[str] = []
     for text in [*string.ascii_uppercase, *letter_pairs()]:
-        if len(single) >= min(wanted, MAX_OPTIONS):
+        if len(single) >= min(wanted, single_limit, MAX_OPTIONS):
             break
         label = verified(text)
         if label is not None and len(label.tokens) == 1 and label.tokens not in {s.tokens for s in single}:

@@ -44,6 +44,7 @@ class Work(Protocol):
 
     kind: str
     decodes: int
+    timing: dict[str, float]
 
     @property
     def cost_tokens(self) -> int: ...
@@ -92,6 +93,17 @@ class _Branch:
 
 
 @dataclass(eq=False)
+class _Fill:
+    """A branch whose prompt tokens are being decoded, possibly over several steps."""
+
+    item: Item
+    seq: int
+    tokens: Sequence[int]
+    start: int  # position of tokens[0]
+    planned: int = 0
+
+
+@dataclass(eq=False)
 class _StateRun:
     plan: StatePlan
     pending: deque[Item]
@@ -105,6 +117,7 @@ class _StateRun:
     released: int = 0
     dead: int = 0
     branches: list[_Branch] = field(default_factory=list)  # read, with children still to start
+    filling: list[_Fill] = field(default_factory=list)  # opened, prompt not fully decoded yet
 
     @property
     def need(self) -> int:
@@ -144,6 +157,7 @@ class DecisionWork:
             run.streaming = bool(run.item_cells) and run.need > capacity
         self.decodes = 0
         self.rows = 0
+        self.timing: dict[str, float] = {}  # filled by the scheduler when the work completes
         self._held: set[int] = set()  # every sequence this request holds, whatever its role
 
     def _acquire(self, step: Step) -> int:
@@ -194,7 +208,9 @@ class DecisionWork:
         return sorted(self._held)
 
     def outcome(self) -> Any:
-        return self.planner.respond(self.plan, {"decodes": self.decodes, "rows": self.rows})
+        return self.planner.respond(
+            self.plan, {"decodes": self.decodes, "rows": self.rows, "timing": self.timing}
+        )
 
     # --- planning ---------------------------------------------------------------------------------
     def plan_step(self, step: Step) -> None:
@@ -245,13 +261,14 @@ class DecisionWork:
                 step.add(self, row, lambda _row: self._prefilled(state, take))
             return  # branches are copied only from a fully decoded prefix
         self._plan_children(state, step)
+        self._plan_fills(state, step)
         base = len(self.head) + len(prefix)
-        while state.pending and step.seqs.available and self._fits(step, state, state.pending[0], 0):
+        while state.pending and step.seqs.available and step.tokens_left and self._fits(step, state):
             item = state.pending.popleft()
             seq = self._acquire(step)
             assert state.seq is not None
             step.memory.seq_copy(state.seq, seq)
-            self._open_branch(step, state, item, seq, item.tokens, base)
+            self._open_branch(step, state, _Fill(item, seq, item.tokens, base))
         if not state.pending and state.seq is not None:
             self._free(step, state.seq)  # every branch holds the prefix's cells now
             state.seq = None
@@ -263,32 +280,53 @@ class DecisionWork:
 
     def _plan_fresh(self, state: _StateRun, step: Step) -> None:
         self._plan_children(state, step)
+        self._plan_fills(state, step)
         before = [*self.head, *state.plan.prefix]
-        while (
-            state.pending and step.seqs.available and self._fits(step, state, state.pending[0], len(before))
-        ):
+        while state.pending and step.seqs.available and step.tokens_left and self._fits(step, state):
             item = state.pending.popleft()
-            self._open_branch(step, state, item, self._acquire(step), [*before, *item.tokens], 0)
+            self._open_branch(step, state, _Fill(item, self._acquire(step), [*before, *item.tokens], 0))
 
     @staticmethod
-    def _fits(step: Step, state: _StateRun, item: Item, before: int) -> bool:
-        """The item's branch row fits this step (`before`: prompt tokens ahead of its own, fresh mode)."""
-        cells = state.item_cells[id(item)]
-        if before + len(item.tokens) > step.tokens_left:
+    def _fits(step: Step, state: _StateRun) -> bool:
+        """Room for one more branch: always inside a state's reservation; a streaming state takes
+        its next branch's cells from what is free."""
+        if not state.streaming:
+            return True
+        cells = state.item_cells[id(state.pending[0])]
+        if cells > step.cells_left:
             return False
-        if state.streaming:  # beyond its reservation, a streaming state takes what is free
-            if cells > step.cells_left:
-                return False
-            step.cells_left -= cells
+        step.cells_left -= cells
         return True
 
-    def _open_branch(
-        self, step: Step, state: _StateRun, item: Item, seq: int, tokens: Sequence[int], start: int
-    ) -> None:
-        end = start + len(tokens)
-        row = Row(seq, tokens, start, self._spec(item, ()))
-        branch = _Branch(item, (), seq, end, deque())
-        step.add(self, row, lambda done: self._read(step, state, branch, done), keep=not state.streaming)
+    def _open_branch(self, step: Step, state: _StateRun, fill: _Fill) -> None:
+        state.filling.append(fill)
+        self._plan_piece(step, state, fill)
+
+    def _plan_fills(self, state: _StateRun, step: Step) -> None:
+        """Branches whose prompt is longer than one step's budget continue where they stopped."""
+        for fill in list(state.filling):
+            if not step.tokens_left:
+                return
+            self._plan_piece(step, state, fill)
+
+    def _plan_piece(self, step: Step, state: _StateRun, fill: _Fill) -> None:
+        take = min(len(fill.tokens) - fill.planned, step.tokens_left)
+        if take <= 0:
+            return
+        start = fill.planned
+        fill.planned += take
+        last = fill.planned == len(fill.tokens)
+        spec = self._spec(fill.item, ()) if last else None
+        row = Row(fill.seq, fill.tokens[start : start + take], fill.start + start, spec)
+
+        def done(finished: Row) -> None:
+            state.decoded += take
+            if last:
+                state.filling.remove(fill)
+                end = fill.start + len(fill.tokens)
+                self._read(step, state, _Branch(fill.item, (), fill.seq, end, deque()), finished)
+
+        step.add(self, row, done, keep=not state.streaming)
 
     def _plan_children(self, state: _StateRun, step: Step) -> None:
         """Positions for multi-token labels: copy a read branch, append one label token, read there."""
@@ -302,7 +340,7 @@ class DecisionWork:
                 step.add(
                     self,
                     row,
-                    lambda done, grown=grown: self._read(step, state, grown, done),
+                    lambda done, grown=grown: self._child_read(step, state, grown, done),
                     keep=not state.streaming,
                 )
             if not branch.children:
@@ -311,13 +349,16 @@ class DecisionWork:
 
     def _read(self, step: Step, state: _StateRun, branch: _Branch, done: Row) -> None:
         assert done.result is not None
-        state.decoded += len(done.tokens)
         branch.item.outputs[branch.prefix] = done.result
         branch.children.extend(branch.item.trie.children(branch.prefix))
         if branch.children:
             state.branches.append(branch)
         else:
             self._drop(step, state, branch)
+
+    def _child_read(self, step: Step, state: _StateRun, branch: _Branch, done: Row) -> None:
+        state.decoded += 1
+        self._read(step, state, branch, done)
 
     def _drop(self, step: Step, state: _StateRun, branch: _Branch) -> None:
         """Remove a branch whose children have all started; close its item once fully read."""
@@ -352,6 +393,7 @@ class DecisionWork:
         self._held.clear()
         for state in self.states:
             state.branches.clear()
+            state.filling.clear()
             state.seq = None
             state.pending.clear()
             state.open_items = 0
@@ -390,6 +432,7 @@ class ChatWork:
         self.plan = plan
         self._emit = emit
         self.decodes = 0
+        self.timing: dict[str, float] = {}
         self._seq: int | None = None
         self._decoded = 0
         self._dead = 0

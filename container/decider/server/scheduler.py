@@ -59,6 +59,7 @@ RETRYABLE_WAIT_FRACTION = 0.1
 # finish at the best decode rate of the last RATE_WINDOW timed steps: a busy machine's slow
 # moments must not turn into permanent refusals.
 RATE_WINDOW = 64
+STALL_SECONDS = 5.0
 
 
 class Backend(Protocol):
@@ -173,6 +174,7 @@ class Scheduler:
         self._backend: Backend | None = None
         self._seqs: SeqPool | None = None
         self._dead_removed = 0  # dead cells of works already gone, since the last compaction
+        self._stalled_since: float | None = None
         self._head: list[int] = []
         self._head_ready = False
         self.seconds_per_token: float | None = None  # recent decode cost (EWMA): for waits
@@ -331,6 +333,7 @@ class Scheduler:
 
     def _iterate(self) -> None:
         self._reap()
+        self._complete()  # work with nothing to decode (single-candidate questions) is done at once
         if not self._works:
             return
         backend = self._backend
@@ -340,7 +343,9 @@ class Scheduler:
                 self._decode_head(backend)
             self._maybe_compact(backend)
             step = self._plan(backend)
-            if not step.rows:
+            if step.rows:
+                self._stalled_since = None
+            else:
                 self._unblock()
                 with self._cond:  # nothing can move until a deadline passes or new work arrives
                     self._cond.wait(timeout=0.01)
@@ -491,6 +496,11 @@ class Scheduler:
                 self._update_gauges_locked()
             if job.started_at is not None:
                 self._metrics.engine_seconds.labels(job.kind).observe(now - job.started_at)
+                running.work.timing = {
+                    "queue_seconds": job.started_at - job.admitted_at,
+                    "engine_seconds": now - job.started_at,
+                    "total_seconds": now - job.admitted_at,
+                }
             if now > job.deadline:  # decided here, on the engine's clock: late is late
                 running.future.set_exception(deadline_error(job, self.deadline_seconds))
                 continue
@@ -503,8 +513,18 @@ class Scheduler:
                 running.future.set_result(outcome)
 
     def _unblock(self) -> None:
-        """No row fits although works are waiting: if nothing holds memory, the first can never run."""
+        """No row fits although works are waiting: if nothing holds memory, the first can never run.
+
+        Started works always have their memory reserved, so they stall only through a bug: after
+        STALL_SECONDS without a row they fail (500) rather than hang until their deadline."""
         if any(r.started for r in self._works):
+            now = time.monotonic()
+            self._stalled_since = self._stalled_since or now
+            if now - self._stalled_since > STALL_SECONDS:
+                log.error("no running request could make progress for %.0f s; failing them", STALL_SECONDS)
+                for running in [r for r in self._works if r.started]:
+                    self._remove(running, DeciderError("the engine could not schedule this request"))
+                self._stalled_since = None
             return
         first = self._works[0]
         self._remove(
