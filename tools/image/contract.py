@@ -258,6 +258,12 @@ def check_main_container(
     )
     cmdline = container.exec("cat", "/proc/1/cmdline").stdout.replace("\0", " ").strip()
     report.check("PID 1 is the server (it receives SIGTERM itself)", "serve" in cmdline, cmdline)
+    leftovers = container.exec("sh", "-c", "find /run/secrets -type f 2>/dev/null; env | grep -i '^PIP_CERT'")
+    report.check(
+        "the build's CA secret left nothing in the image (no /run/secrets file, no PIP_CERT)",
+        leftovers.stdout.strip() == "",
+        leftovers.stdout.strip()[:200] or "none",
+    )
     return container, base_url
 
 
