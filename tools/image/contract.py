@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tools.image.docker import Container, Docker, DockerError
@@ -53,6 +54,13 @@ from tools.image.template import (
 )
 from tools.local_server import BASE_URL_ENV, free_port, ping_status
 
+# The SageMaker hosting contract this reproduces, from "Custom Inference Code with Hosting Services"
+# (https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-inference-code.html): the container
+# runs as `docker run IMAGE serve`, its environment is the model's ContainerDefinition.Environment,
+# the model artifacts are under /opt/ml/model, /ping must answer within 2 s, and stopping a container
+# sends SIGTERM, then SIGKILL 30 s later. With EnableNetworkIsolation (set by the stacks), "no inbound
+# or outbound network calls can be made to or from the model container" (API_DescribeModel):
+# `--network none` here.
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_IMAGE = "decider:cpu"
 STACK = "CpuStack"
@@ -116,14 +124,13 @@ class Report:
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         self.checks.append(Check(name, ok, detail))
         mark = "[green]PASS[/green]" if ok else "[bold red]FAIL[/bold red]"
-        self.console.print(
-            f"  {mark} {name}" + (f" [dim]— {detail}[/dim]" if detail else ""), highlight=False
-        )
+        shown = f"  {mark} {escape(name)}" + (f" [dim]— {escape(detail)}[/dim]" if detail else "")
+        self.console.print(shown, highlight=False)
         return ok
 
     def fact(self, name: str, value: str) -> None:
         self.facts[name] = value
-        self.console.print(f"  [cyan]{name}[/cyan]: {value}", highlight=False)
+        self.console.print(f"  [cyan]{escape(name)}[/cyan]: {escape(value)}", highlight=False)
 
     @property
     def failed(self) -> list[Check]:
@@ -173,28 +180,33 @@ def model_dir(root: Path, name: str, files: dict[str, str], source: ModelSource)
 @dataclass
 class Startup:
     ready_after: float | None  # seconds from `docker run` to the first /ping 200
-    statuses: list[int | None]  # every /ping answer before that (None: nothing listening)
-    slowest_ping: float
+    statuses: list[int | None]  # every /ping answer before that (None: no answer)
+    slowest_ping: float  # the slowest answer, or the 2 s timeout of one that never came
+    timed_out: int  # pings that got no answer within 2 s (a refused connection is quick)
 
 
 def wait_for_ping(container: Container, base_url: str, timeout: float = READY_TIMEOUT_SECONDS) -> Startup:
     statuses: list[int | None] = []
     slowest = 0.0
+    timed_out = 0
     deadline = container.started + timeout
     last_state_check = 0.0
     while time.monotonic() < deadline:
         asked = time.monotonic()
         status = ping_status(base_url, timeout=SAGEMAKER_PING_TIMEOUT_SECONDS)
-        slowest = max(slowest, time.monotonic() - asked) if status is not None else slowest
+        took = time.monotonic() - asked
+        if status is not None or took >= SAGEMAKER_PING_TIMEOUT_SECONDS:
+            slowest = max(slowest, took)
+            timed_out += status is None
         if status == 200:
-            return Startup(time.monotonic() - container.started, statuses, slowest)
+            return Startup(time.monotonic() - container.started, statuses, slowest, timed_out)
         statuses.append(status)
         if time.monotonic() - last_state_check > 0.5:
             last_state_check = time.monotonic()
             if not container.running():
                 break
         time.sleep(0.02)
-    return Startup(None, statuses, slowest)
+    return Startup(None, statuses, slowest, timed_out)
 
 
 def vm_rss_mib(container: Container) -> float | None:
@@ -230,9 +242,11 @@ def check_main_container(
     answered = [s for s in startup.statuses if s is not None]
     report.check(
         "/ping before the model is ready: never 200, each answer within 2 s",
-        set(answered) <= {503} and startup.slowest_ping < SAGEMAKER_PING_TIMEOUT_SECONDS,
-        f"{len(answered)} × 503, {startup.statuses.count(None)} × not listening yet, "
-        f"slowest answer {startup.slowest_ping * 1000:.0f} ms",
+        set(answered) <= {503}
+        and startup.timed_out == 0
+        and startup.slowest_ping < SAGEMAKER_PING_TIMEOUT_SECONDS,
+        f"{len(answered)} × 503, {startup.statuses.count(None) - startup.timed_out} × not listening yet, "
+        f"{startup.timed_out} × no answer in 2 s, slowest answer {startup.slowest_ping * 1000:.0f} ms",
     )
     backend = BACKEND_LINE.search(logs)
     variant = CPU_VARIANT.search(backend.group("libraries")) if backend else None
@@ -449,7 +463,7 @@ def run_contract(image: str, *, live_tests: bool, console: Console) -> int:
     try:
         docker = Docker()
     except DockerError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     if not docker.answers():
         console.print("[red]no Docker Engine answers: run tools/image/docker-host.sh[/red]")
@@ -472,7 +486,7 @@ def run_contract(image: str, *, live_tests: bool, console: Console) -> int:
         template = synthesize_stack(STACK)
         spec = container_spec(template, model_file=SMOLLM2_FILE, model_sha256=SMOLLM2_SHA256, stack=STACK)
     except (TemplateError, KeyError) as exc:
-        console.print(f"[red]cannot take the container environment from {STACK}: {exc}[/red]")
+        console.print(f"[red]cannot take the container environment from {STACK}: {escape(str(exc))}[/red]")
         return 2
     report.fact(
         "environment",
@@ -544,7 +558,7 @@ def print_summary(report: Report) -> None:
     facts = Table(show_header=False, box=None)
     for name, value in report.facts.items():
         if name != "environment":
-            facts.add_row(f"[cyan]{name}[/cyan]", value)
+            facts.add_row(f"[cyan]{escape(name)}[/cyan]", escape(value))
     console.print(facts)
     passed = len(report.checks) - len(report.failed)
     verdict = (
@@ -554,7 +568,7 @@ def print_summary(report: Report) -> None:
     )
     console.print(f"{passed}/{len(report.checks)} checks passed: {verdict}")
     for check in report.failed:
-        console.print(f"  [red]FAIL[/red] {check.name}: {check.detail}", highlight=False)
+        console.print(f"  [red]FAIL[/red] {escape(check.name)}: {escape(check.detail)}", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:
