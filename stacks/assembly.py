@@ -41,7 +41,14 @@ def build_app(app: App | None = None) -> DeciderApp:
         Environment(account=config.account, region=config.region) if config.account or config.region else None
     )
     description = "decider: typed decisions and chat from one GGUF on SageMaker"
-    image = ImageStack(app, "ImageStack", config=config, env=env, description=f"{description} (shared build)")
+    image = ImageStack(
+        app,
+        "ImageStack",
+        config=config,
+        endpoint_stacks={"CpuStack": config.cpu, "GpuStack": config.gpu},
+        env=env,
+        description=f"{description} (shared build)",
+    )
     cpu = EndpointStack(
         app,
         "CpuStack",

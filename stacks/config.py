@@ -8,18 +8,28 @@ and from `-c` overrides on the command line, which may use dotted keys:
 Everything is validated before a single construct is created, so a bad value fails `cdk synth`
 with a message naming the key, not a CloudFormation error half an hour into a deploy.
 
-This module must not import aws_cdk: the tools (promote, infra-diff) import it to print hints.
+This module must not import aws_cdk: the tools (promote, infra-diff, preflight, capacity-plan)
+import it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from decider.settings import Settings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from stacks.instances import (
+    GPU_FAMILIES,
+    INSTANCE_TYPES,
+    NON_GPU_ACCELERATOR_FAMILIES,
+    gpu_model,
+    instance_spec,
+)
 
 VariantName = Literal["cpu", "gpu"]
 VARIANTS: tuple[VariantName, ...] = ("cpu", "gpu")
@@ -33,19 +43,45 @@ IMAGE_URI_RE = re.compile(
 S3_PREFIX_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<prefix>(?:[^/]+/)+)$")
 INSTANCE_TYPE_RE = re.compile(r"^ml\.(?P<family>[a-z0-9\-]+)\.(?P<size>[a-z0-9]+)$")
 ENDPOINT_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+# On every model and endpoint config of an endpoint (the stacks' and `promote apply`'s): which endpoint
+# they belong to. `promote prune` deletes the unused ones it finds by this tag.
+ENDPOINT_TAG = "promote:endpoint"
 
-# Instance families with accelerators (GPU, Inferentia, Trainium) vs. plain CPU families.
-GPU_FAMILIES = frozenset(
-    {"g4dn", "g5", "g6", "g6e", "g7e", "p3", "p4d", "p4de", "p5", "p5e", "p5en", "p6-b200"}
-)
-ACCELERATOR_FAMILIES = GPU_FAMILIES | frozenset({"inf1", "inf2", "trn1", "trn1n", "trn2"})
-# Families whose storage is local NVMe instance storage: CreateEndpointConfig rejects KmsKeyId on them.
-NVME_FAMILIES = GPU_FAMILIES | frozenset({"inf2", "trn1", "trn1n", "trn2"})
+# InferenceAmiVersion values CloudFormation accepts (the AWS::SageMaker::EndpointConfig schema in
+# cfn-lint 1.58.0), minus the Neuron one. `al2023-…-gpu-4-1` ships driver 580 (CUDA 13.0): AWS's own
+# decision-model image hit CannotStartContainerError on g5/g4dn with the default AMI and started on it.
 INFERENCE_AMI_VERSIONS = (
     "al2-ami-sagemaker-inference-gpu-2",
     "al2-ami-sagemaker-inference-gpu-2-1",
     "al2-ami-sagemaker-inference-gpu-3-1",
+    "al2023-ami-sagemaker-inference-gpu-4-1",
 )
+# CUDA architectures the CUDA image can be compiled for: what its CUDA 12.4 toolkit supports and
+# llama.cpp's CUDA backend runs on (Turing and newer). Blackwell (sm_100, sm_120) needs CUDA 12.8.
+CUDA_IMAGE_ARCHITECTURES = frozenset({"75", "80", "86", "89", "90"})
+CUDA_IMAGE_TOOLKIT = "12.4"
+# Build arguments the app sets itself (per variant / from the instance types); never user-set.
+RESERVED_BUILD_ARGS = frozenset({"VARIANT", "CUDA_ARCHITECTURES"})
+
+# --- deploy-time limits (checked below, used by stacks/ and the build handler) ---------------------
+# A CloudFormation custom resource waits at most 3600 s (ServiceTimeout is 1-3600; AWS CloudFormation
+# template reference, AWS::CloudFormation::CustomResource), and the CDK provider framework cannot
+# stretch that (aws/aws-cdk#24974). The provider gives up a little earlier, so it reports the timeout
+# itself instead of CloudFormation's generic one.
+CUSTOM_RESOURCE_TIMEOUT_S = 3600
+PROVIDER_TOTAL_TIMEOUT_MINUTES = 55
+# The image build may take longer, so its result arrives as a signal on an
+# AWS::CloudFormation::WaitCondition, whose Timeout is at most 43200 s (12 h).
+WAIT_CONDITION_MAX_S = 43_200
+IMAGE_WAIT_MARGIN_MINUTES = 15  # signal delivery, push, provisioning on top of queue + build time
+# CodeBuild refuses StartBuild with AccountLimitExceededException while the account's concurrent-build
+# quota is used up (0 on some new accounts); the handler retries with backoff for this long.
+BUILD_START_RETRY_MINUTES = 10
+# A build still running this long after its own timeout is stopped by the handler.
+BUILD_DEADLINE_GRACE_MINUTES = 5
+DEFAULT_EBS_VOLUME_GB = 30  # ML storage volume on EBS-backed types: the 3 GB GGUF twice, plus room
+
 # CloudWatch Logs' allowed retention periods, in the order of aws_logs.RetentionDays.
 LOG_RETENTION_DAYS = (
     1,
@@ -85,19 +121,25 @@ def instance_family(instance_type: str) -> str:
 
 
 def has_accelerator(instance_type: str) -> bool:
-    return instance_family(instance_type) in ACCELERATOR_FAMILIES
+    """GPU, Inferentia or Trainium: from stacks/instances.py for known types, by family otherwise."""
+    if instance_type in INSTANCE_TYPES:
+        return INSTANCE_TYPES[instance_type].gpus > 0
+    family = instance_family(instance_type)
+    return family in GPU_FAMILIES or family in NON_GPU_ACCELERATOR_FAMILIES
 
 
 def supports_volume_kms(instance_type: str) -> bool:
-    """False for instance types with NVMe instance storage, which reject an endpoint-config KmsKeyId.
+    """False for instance types with NVMe instance storage, which reject an endpoint-config KmsKeyId
+    and VolumeSizeInGB (SageMaker provisions no EBS volume on them).
 
-    Besides the accelerator families, every family with a `d` after its generation (c5d, m6id, …)
-    has local NVMe storage.
+    Known types come from stacks/instances.py. For others: accelerator families are NVMe-backed, and
+    so is every family with a `d` after its generation (c5d, m6id, …).
     """
-    family = instance_family(instance_type)
-    if family in NVME_FAMILIES:
+    if instance_type in INSTANCE_TYPES:
+        return INSTANCE_TYPES[instance_type].storage == "ebs"
+    if has_accelerator(instance_type):
         return False
-    return not re.fullmatch(r"[a-z]+\d+[a-z]*d[a-z]*", family)
+    return not re.fullmatch(r"[a-z]+\d+[a-z]*d[a-z]*", instance_family(instance_type))
 
 
 class _Strict(BaseModel):
@@ -114,6 +156,24 @@ class ModelArtifact(_Strict):
     sha256: str = Field(
         pattern=r"^[0-9a-f]{64}$", description="Full sha256 of the file; checked by the build."
     )
+    staging_timeout_minutes: int = Field(
+        25, ge=5, le=60, description="Timeout of the model-staging build (download, hash, upload)."
+    )
+    staging_queued_timeout_minutes: int = Field(
+        10, ge=5, le=60, description="How long the staging build may wait in CodeBuild's queue."
+    )
+
+    @model_validator(mode="after")
+    def _fits_the_custom_resource_ceiling(self) -> ModelArtifact:
+        total = staging_budget_minutes(self)
+        if total > PROVIDER_TOTAL_TIMEOUT_MINUTES:
+            raise ValueError(
+                f"staging_timeout_minutes: {self.staging_timeout_minutes} + queue "
+                f"{self.staging_queued_timeout_minutes} + start retries {BUILD_START_RETRY_MINUTES} + grace "
+                f"{BUILD_DEADLINE_GRACE_MINUTES} = {total} min exceeds the {PROVIDER_TOTAL_TIMEOUT_MINUTES} "
+                "min a custom resource can wait (CloudFormation allows 3600 s)"
+            )
+        return self
 
     @property
     def s3_prefix(self) -> str:
@@ -123,6 +183,16 @@ class ModelArtifact(_Strict):
     @property
     def download_url(self) -> str:
         return f"https://huggingface.co/{self.repository}/resolve/{self.revision}/{self.file}"
+
+
+def staging_budget_minutes(model: ModelArtifact) -> int:
+    """Worst case from the staging request to its result: start retries, queue, build, grace."""
+    return (
+        BUILD_START_RETRY_MINUTES
+        + model.staging_queued_timeout_minutes
+        + model.staging_timeout_minutes
+        + BUILD_DEADLINE_GRACE_MINUTES
+    )
 
 
 class DeploymentConfig(_Strict):
@@ -144,14 +214,41 @@ class DeploymentConfig(_Strict):
 
 
 class AlarmConfig(_Strict):
-    """Thresholds of the alarms that roll a deployment back (and page you afterwards)."""
+    """Thresholds of the endpoint's alarms; the first two roll a deployment back. Every alarm notifies
+    the stack's SNS topic (and `email`, when set)."""
 
-    error_5xx_count: int = Field(
-        1, ge=1, description="Invocation5XXErrors per minute that trips the alarm (2 of 3 minutes)."
+    error_rate_percent: float = Field(
+        5.0,
+        gt=0,
+        le=100,
+        description="Invocation5XXErrors / Invocations in % that trips rollback (2 of 3 minutes).",
+    )
+    error_rate_min_invocations: int = Field(
+        10, ge=1, description="Invocations a minute below which the error rates count as 0 (noise)."
     )
     latency_p90_ms: int = Field(
-        20_000, ge=1, le=600_000, description="ModelLatency p90 in ms that trips the alarm (2 of 3 minutes)."
+        20_000, ge=1, le=600_000, description="ModelLatency p90 in ms that trips rollback (2 of 3 minutes)."
     )
+    client_error_rate_percent: float = Field(
+        25.0, gt=0, le=100, description="Invocation4XXErrors / Invocations in % that notifies (2 of 3)."
+    )
+    model_error_rate_percent: float = Field(
+        10.0,
+        gt=0,
+        le=100,
+        description="InvocationModelErrors (any non-2xx answer or timeout) / Invocations in % (2 of 3).",
+    )
+    model_setup_time_s: int = Field(
+        900, ge=1, le=3600, description="ModelSetupTime (instance launch + model download) that notifies."
+    )
+    email: str | None = Field(None, description="Subscribes this address to the alarm topic (confirm it).")
+
+    @field_validator("email")
+    @classmethod
+    def _email(cls, value: str | None) -> str | None:
+        if value is not None and not EMAIL_RE.match(value):
+            raise ValueError(f"{value!r} is not an e-mail address")
+        return value
 
 
 class DataCaptureConfig(_Strict):
@@ -159,28 +256,77 @@ class DataCaptureConfig(_Strict):
     sampling_percentage: int = Field(10, ge=1, le=100, description="Share of requests captured.")
 
 
+class RoutingConfig(_Strict):
+    """How SageMaker spreads requests over the instances (ProductionVariant RoutingConfig)."""
+
+    strategy: Literal["LEAST_OUTSTANDING_REQUESTS", "RANDOM", "PREFIX_AWARE"] | None = Field(
+        None, description="Unset: SageMaker's default. PREFIX_AWARE: same body prefix → same instance."
+    )
+    prefix_length: int = Field(
+        4096, ge=1024, le=65536, description="PREFIX_AWARE: bytes of the body that form the prefix."
+    )
+    concurrency_threshold: int = Field(
+        2, ge=1, le=1024, description="PREFIX_AWARE: in-flight requests before another instance is used."
+    )
+
+
 class ImageBuildConfig(_Strict):
     compute_type: Literal[
         "BUILD_GENERAL1_MEDIUM", "BUILD_GENERAL1_LARGE", "BUILD_GENERAL1_XLARGE", "BUILD_GENERAL1_2XLARGE"
-    ] = Field("BUILD_GENERAL1_LARGE", description="CodeBuild compute for this variant's image build.")
-    timeout_minutes: int = Field(
-        90, ge=10, le=110, description="Build timeout (the deploy waits at most 2 h)."
+    ] = Field(
+        "BUILD_GENERAL1_LARGE",
+        description="CodeBuild compute for this variant's image build (2XLARGE builds run without the "
+        "local Docker layer cache, which CodeBuild does not support there).",
+    )
+    timeout_minutes: int = Field(60, ge=10, le=600, description="Build timeout.")
+    queued_timeout_minutes: int = Field(
+        60, ge=5, le=480, description="How long the build may wait in CodeBuild's queue."
     )
     build_args: dict[str, str] = Field(
         default_factory=dict,
         description="Extra `docker build --build-arg`s, e.g. a base-image mirror "
-        "(PYTHON_IMAGE=public.ecr.aws/docker/library/python:…); part of the image tag.",
+        "(PYTHON_IMAGE=…); part of the image tag.",
     )
+
+    @field_validator("build_args", mode="before")
+    @classmethod
+    def _scalars_as_text(cls, value: Any) -> Any:
+        """`-c …build_args.X=80` arrives JSON-decoded as a number; a build argument is text."""
+        if isinstance(value, dict):
+            return {
+                k: str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, int | float) else v
+                for k, v in value.items()
+            }
+        return value
 
     @field_validator("build_args")
     @classmethod
     def _build_args(cls, value: dict[str, str]) -> dict[str, str]:
         for name, arg in value.items():
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or name == "VARIANT":
-                raise ValueError(f"{name!r} is not a usable build argument name (VARIANT is set per variant)")
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or name in RESERVED_BUILD_ARGS:
+                raise ValueError(
+                    f"{name!r} is not a usable build argument name (VARIANT is set per variant, "
+                    "CUDA_ARCHITECTURES from the instance types)"
+                )
             if not isinstance(arg, str) or "\n" in arg:
                 raise ValueError(f"{name}: value must be a single-line string")
         return dict(sorted(value.items()))
+
+    @model_validator(mode="after")
+    def _fits_the_wait_condition(self) -> ImageBuildConfig:
+        total = image_wait_minutes(self)
+        if total * 60 > WAIT_CONDITION_MAX_S:
+            raise ValueError(
+                f"timeout_minutes: {self.timeout_minutes} + queue {self.queued_timeout_minutes} + margin "
+                f"{IMAGE_WAIT_MARGIN_MINUTES} = {total} min exceeds the 720 min a CloudFormation "
+                "WaitCondition can wait"
+            )
+        return self
+
+
+def image_wait_minutes(build: ImageBuildConfig) -> int:
+    """The image build's WaitCondition timeout: queue + build + margin."""
+    return build.queued_timeout_minutes + build.timeout_minutes + IMAGE_WAIT_MARGIN_MINUTES
 
 
 class VariantConfig(_Strict):
@@ -188,7 +334,19 @@ class VariantConfig(_Strict):
 
     name: VariantName
     endpoint_name: str = Field(description="Stable endpoint name (configs get generated names).")
-    instance_type: str = Field(description="SageMaker hosting instance type.")
+    instance_type: str = Field(description="SageMaker hosting instance type (first choice).")
+    instance_pools: list[str] = Field(
+        default_factory=list,
+        max_length=4,
+        description="Fallback instance types, in order, when instance_type has no capacity "
+        "(InstancePools, priorities 2-5).",
+    )
+    provision_timeout_s: int | None = Field(
+        None,
+        ge=300,
+        le=3600,
+        description="VariantInstanceProvisionTimeoutInSeconds: time to find capacity across the pools.",
+    )
     initial_instance_count: int = Field(
         2, ge=1, le=100, description="Instances when the endpoint is created."
     )
@@ -214,8 +372,15 @@ class VariantConfig(_Strict):
         description="Encrypt the instance's ML storage volume with a customer key; default: "
         "yes where the instance type allows it (not on NVMe types such as g5/g6).",
     )
+    volume_size_gb: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description=f"EBS ML storage volume (VolumeSizeInGB); default {DEFAULT_EBS_VOLUME_GB} on EBS-backed "
+        "types, refused on NVMe types.",
+    )
     inference_ami_version: str | None = Field(
-        None, description="GPU driver AMI (GPU only), e.g. al2-ami-sagemaker-inference-gpu-3-1."
+        None, description="GPU driver AMI (GPU only), e.g. al2023-ami-sagemaker-inference-gpu-4-1."
     )
     network_isolation: bool = Field(True, description="No outbound network from the container.")
     log_retention_days: int = Field(
@@ -224,12 +389,18 @@ class VariantConfig(_Strict):
     image_uri: str | None = Field(
         None, description="Prebuilt image <repo>@sha256:<digest>: skips the build. Global key: image_uri."
     )
+    image_source: Literal["auto", "build"] = Field(
+        "auto",
+        description="Without image_uri: `auto` keeps an image pinned by an earlier `-c image_uri` deploy "
+        "(recorded in SSM), else builds container/; `build` always builds container/.",
+    )
     model_s3_uri: str | None = Field(
         None, description="Prebuilt model prefix s3://bucket/prefix/: skips staging. Global: model_s3_uri."
     )
     image_build: ImageBuildConfig = ImageBuildConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     alarms: AlarmConfig = AlarmConfig()
+    routing: RoutingConfig = RoutingConfig()
     data_capture: DataCaptureConfig = DataCaptureConfig()
     container: dict[str, Any] = Field(
         default_factory=dict,
@@ -246,8 +417,41 @@ class VariantConfig(_Strict):
         return "cuda" if self.is_gpu else "cpu"
 
     @property
+    def instance_types(self) -> list[str]:
+        """Every type the variant may run on, in priority order (instance_type, then the pools)."""
+        return [self.instance_type, *self.instance_pools]
+
+    @property
+    def cuda_architectures(self) -> str | None:
+        """`CMAKE_CUDA_ARCHITECTURES` for the GPUs of the allowed types, e.g. `86;89`; None on CPU."""
+        if not self.is_gpu:
+            return None
+        archs = {model.cuda_arch for t in self.instance_types if (model := gpu_model(t)) is not None}
+        return ";".join(sorted(archs, key=int))
+
+    @property
+    def docker_build_args(self) -> dict[str, str]:
+        """Every `--build-arg` besides VARIANT: the configured ones plus the CUDA architectures."""
+        args = dict(self.image_build.build_args)
+        if self.cuda_architectures:
+            args["CUDA_ARCHITECTURES"] = self.cuda_architectures
+        return dict(sorted(args.items()))
+
+    @property
+    def on_ebs(self) -> bool:
+        """All allowed types keep the ML storage volume on EBS (KmsKeyId and VolumeSizeInGB apply)."""
+        return all(supports_volume_kms(t) for t in self.instance_types)
+
+    @property
     def encrypt_volume(self) -> bool:
-        return supports_volume_kms(self.instance_type) if self.volume_kms is None else self.volume_kms
+        return self.on_ebs if self.volume_kms is None else self.volume_kms
+
+    @property
+    def ebs_volume_size_gb(self) -> int | None:
+        """VolumeSizeInGB for the endpoint config, or None on NVMe types."""
+        if not self.on_ebs:
+            return None
+        return self.volume_size_gb or DEFAULT_EBS_VOLUME_GB
 
     @field_validator("endpoint_name")
     @classmethod
@@ -260,6 +464,15 @@ class VariantConfig(_Strict):
     @classmethod
     def _instance_type(cls, value: str) -> str:
         instance_family(value)
+        return value
+
+    @field_validator("instance_pools")
+    @classmethod
+    def _instance_pools(cls, value: list[str]) -> list[str]:
+        for item in value:
+            instance_family(item)
+        if len(set(value)) != len(value):
+            raise ValueError("lists an instance type twice")
         return value
 
     @field_validator("log_retention_days")
@@ -305,29 +518,49 @@ class VariantConfig(_Strict):
             raise ValueError(f"invalid container setting(s): {details}") from None
         return value
 
+    def _instance_problems(self) -> list[str]:
+        problems: list[str] = []
+        for key, instance_type in [("instance_type", self.instance_type)] + [
+            ("instance_pools", t) for t in self.instance_pools
+        ]:
+            accelerated = has_accelerator(instance_type)
+            if self.is_gpu:
+                problems += _gpu_type_problems(key, instance_type)
+            elif accelerated:
+                problems.append(
+                    f"{key}: {instance_type} is a GPU/accelerator type, but the cpu variant runs a "
+                    "CPU-only image; use a CPU type such as ml.c7i.8xlarge, or deploy GpuStack"
+                )
+        if self.instance_pools and self.provision_timeout_s is None:
+            problems.append(
+                "provision_timeout_s: set it with instance_pools (300-3600 s: how long SageMaker tries "
+                "the pools before the deploy fails)"
+            )
+        return problems
+
     @model_validator(mode="after")
     def _consistency(self) -> VariantConfig:
-        problems: list[str] = []
-        accelerated = has_accelerator(self.instance_type)
-        if self.is_gpu and not accelerated:
-            problems.append(
-                f"instance_type: {self.instance_type} has no GPU; "
-                "the gpu variant needs one (e.g. ml.g6.xlarge)"
-            )
-        if not self.is_gpu and accelerated:
-            problems.append(
-                f"instance_type: {self.instance_type} is a GPU/accelerator type, but the cpu variant runs a "
-                "CPU-only image; use a CPU type such as ml.c7i.xlarge, or deploy GpuStack"
-            )
+        problems = self._instance_problems()
         if self.inference_ami_version is not None:
             if not self.is_gpu:
                 problems.append("inference_ami_version: only applies to the gpu variant")
             elif self.inference_ami_version not in INFERENCE_AMI_VERSIONS:
                 problems.append(f"inference_ami_version: must be one of {INFERENCE_AMI_VERSIONS}")
-        if self.volume_kms and not supports_volume_kms(self.instance_type):
+        if not self.on_ebs:
+            nvme = ", ".join(t for t in self.instance_types if not supports_volume_kms(t))
+            if self.volume_kms:
+                problems.append(
+                    f"volume_kms: {nvme} has NVMe instance storage, which SageMaker always "
+                    "encrypts itself and which rejects a KmsKeyId"
+                )
+            if self.volume_size_gb is not None:
+                problems.append(
+                    f"volume_size_gb: {nvme} has NVMe instance storage of fixed size; SageMaker refuses "
+                    "VolumeSizeInGB there"
+                )
+        if self.image_uri is not None and self.image_source == "build":
             problems.append(
-                f"volume_kms: {self.instance_type} has NVMe instance storage, which SageMaker always "
-                "encrypts itself and which rejects a KmsKeyId"
+                "image_source: `build` contradicts image_uri (a prebuilt image); drop one of them"
             )
         if self.min_capacity > self.max_capacity:
             problems.append(
@@ -352,6 +585,43 @@ class VariantConfig(_Strict):
         return self
 
 
+def _gpu_type_problems(key: str, instance_type: str) -> list[str]:
+    """Why the CUDA image cannot run on `instance_type`, if it cannot (empty list otherwise)."""
+    model = gpu_model(instance_type)
+    if model is None:
+        if has_accelerator(instance_type):
+            return [f"{key}: {instance_type} has no NVIDIA GPU; the CUDA image needs one (e.g. ml.g6.xlarge)"]
+        return [f"{key}: {instance_type} has no GPU; the gpu variant needs one (e.g. ml.g6.xlarge)"]
+    if model.cuda_arch not in CUDA_IMAGE_ARCHITECTURES:
+        known = {t.split(".")[1] for t in INSTANCE_TYPES}
+        supported = ", ".join(
+            f"{family} (sm_{m.cuda_arch})"
+            for family, m in GPU_FAMILIES.items()
+            if m.cuda_arch in CUDA_IMAGE_ARCHITECTURES and family in known
+        )
+        return [
+            f"{key}: {instance_type} has an {model.name} (sm_{model.cuda_arch}), which needs CUDA 12.8 or "
+            f"newer; the CUDA image is built with CUDA {CUDA_IMAGE_TOOLKIT} and runs on {supported}"
+        ]
+    if instance_type not in INSTANCE_TYPES:
+        try:
+            instance_spec(instance_type)
+        except KeyError as error:
+            return [f"{key}: {error.args[0]}"]
+    return []
+
+
+def deployed_image_parameter(project: str, variant: VariantConfig) -> str:
+    """The SSM parameter recording the image of a variant's last successful deploy, and its source
+    (`pinned` by `-c image_uri`, or `build`). Written by the endpoint stack, read by the next deploy."""
+    return f"/{project}/{variant.endpoint_name}/image"
+
+
+def estimated_volume_need_gb(model: ModelArtifact) -> int:
+    """The model's size in GB, rounded up, twice (download + the mounted copy) plus 4 GB of room."""
+    return 2 * math.ceil(model.size_bytes / 1e9) + 4
+
+
 class AppConfig(_Strict):
     """The whole app: the pinned model and the two endpoint variants."""
 
@@ -364,6 +634,21 @@ class AppConfig(_Strict):
 
     def variant(self, name: VariantName) -> VariantConfig:
         return self.cpu if name == "cpu" else self.gpu
+
+    @model_validator(mode="after")
+    def _volume_holds_the_model(self) -> AppConfig:
+        need = estimated_volume_need_gb(self.model)
+        problems = [
+            f"{variant.name}.volume_size_gb: {variant.volume_size_gb} GB is too small for the pinned "
+            f"{self.model.size_bytes / 1e9:.1f} GB model (needs about {need} GB)"
+            for variant in (self.cpu, self.gpu)
+            if variant.volume_size_gb is not None
+            and variant.model_s3_uri is None
+            and variant.volume_size_gb < need
+        ]
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
 
 
 def container_settings(variant: VariantConfig, model: ModelArtifact) -> Settings:

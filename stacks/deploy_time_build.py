@@ -4,6 +4,14 @@ Each request is a custom resource whose properties are immutable inputs only (so
 model). An unchanged input means an unchanged resource: no build and an empty diff. A changed
 container gives a new tag, so CloudFormation updates the resource, the handler builds and pushes
 the image, and the new digest flows into a new SageMaker model and endpoint config.
+
+The image build may take longer than the hour a custom resource can wait (ServiceTimeout is at most
+3600 s), so the `Custom::ImageBuild` resource only *starts* it; an AWS::CloudFormation::WaitCondition
+(Timeout up to 43200 s) waits for the build's signal, and `Custom::DeployedImage` then checks the
+signalled digest and protects it from the ECR lifecycle. A wait condition cannot be updated and a
+handle must not be reused ("Anytime you add a WaitCondition resource during a stack update, you must
+associate the wait condition with a new WaitConditionHandle resource", CloudFormation template
+reference), so both are named after the inputs of the build: new inputs, new handle and condition.
 """
 
 from __future__ import annotations
@@ -11,42 +19,59 @@ from __future__ import annotations
 import hashlib
 import json
 
-from aws_cdk import Aws, CustomResource
+from aws_cdk import Aws, CfnWaitCondition, CfnWaitConditionHandle, CustomResource, Duration, Token
 from constructs import Construct
 
-from stacks.config import ModelArtifact, VariantConfig
+from stacks.config import (
+    CUSTOM_RESOURCE_TIMEOUT_S,
+    ModelArtifact,
+    VariantConfig,
+    deployed_image_parameter,
+    image_wait_minutes,
+)
 from stacks.image_stack import ImageStack
-
-MODEL_STAGING_TIMEOUT_MINUTES = 60
 
 
 def image_tag(variant: VariantConfig, source_hash: str) -> str:
     """`<cpu|cuda>-<content hash of container/>`: immutable, never `latest`.
 
-    Extra build arguments change the image without changing the source, so they are folded into
-    the hash (and a change of them rebuilds).
+    Build arguments (the configured ones and the CUDA architectures) change the image without
+    changing the source, so they are folded into the hash (and a change of them rebuilds).
     """
-    args = variant.image_build.build_args
+    args = variant.docker_build_args
     if not args:
         return f"{variant.build_variant}-{source_hash}"
     digest = hashlib.sha256(json.dumps([source_hash, args], sort_keys=True).encode()).hexdigest()
     return f"{variant.build_variant}-{digest}"
 
 
+def _service_timeout() -> Duration:
+    return Duration.seconds(CUSTOM_RESOURCE_TIMEOUT_S)
+
+
 class ImageBuild(Construct):
-    """Builds (or finds) this variant's image; `image_uri` is `<repository uri>@sha256:<digest>`."""
+    """Builds, reuses or keeps this variant's image; `image_uri` is `<repository uri>@sha256:<digest>`."""
 
     def __init__(
-        self, scope: Construct, construct_id: str, *, image_stack: ImageStack, variant: VariantConfig
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        image_stack: ImageStack,
+        variant: VariantConfig,
+        project: str,
     ):
         super().__init__(scope, construct_id)
         self.tag = image_tag(variant, image_stack.source_hash)
+        inputs = hashlib.sha256(f"{self.tag}|{variant.image_source}".encode()).hexdigest()[:12].upper()
+        handle = CfnWaitConditionHandle(self, f"Handle{inputs}")
         source = image_stack.container_source
         self.resource = CustomResource(
             self,
             "Resource",
             service_token=image_stack.provider.service_token,
             resource_type="Custom::ImageBuild",
+            service_timeout=_service_timeout(),
             properties={
                 "Kind": "Image",
                 "ProjectName": image_stack.projects.image.project_name,
@@ -60,8 +85,61 @@ class ImageBuild(Construct):
                 "Variant": variant.build_variant,
                 "ComputeType": variant.image_build.compute_type,
                 "TimeoutMinutes": str(variant.image_build.timeout_minutes),
-                "BuildArgs": "\n".join(f"{k}={v}" for k, v in variant.image_build.build_args.items()),
+                "QueuedTimeoutMinutes": str(variant.image_build.queued_timeout_minutes),
+                "BuildArgs": "\n".join(f"{k}={v}" for k, v in variant.docker_build_args.items()),
+                "Buildspec": image_stack.image_buildspec,
+                "WaitHandle": handle.ref,
+                "ImageSource": variant.image_source,
+                "DeployedImageParameter": deployed_image_parameter(project, variant),
             },
+        )
+        self.wait = CfnWaitCondition(
+            self,
+            f"Wait{inputs}",
+            handle=handle.ref,
+            count=1,
+            timeout=str(image_wait_minutes(variant.image_build) * 60),
+        )
+        # The wait starts once the build has started (or was found unnecessary).
+        self.wait.node.add_dependency(self.resource)
+        self.deployed = DeployedImage(
+            self,
+            "Deployed",
+            image_stack=image_stack,
+            variant=variant,
+            wait_data=Token.as_string(self.wait.attr_data),
+        )
+        self.image_uri = self.deployed.image_uri
+        self.source = self.resource.get_att_string("Source")
+
+
+class DeployedImage(Construct):
+    """The image the endpoint runs, checked in ECR and tagged `keep-<digest>` (never expired)."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        image_stack: ImageStack,
+        variant: VariantConfig,
+        image_uri: str | None = None,
+        wait_data: str | None = None,
+    ):
+        super().__init__(scope, construct_id)
+        properties = {
+            "Kind": "DeployedImage",
+            "EndpointName": variant.endpoint_name,
+            "RepositoryName": image_stack.repository.repository_name,
+        }
+        properties |= {"ImageUri": image_uri} if image_uri else {"WaitData": wait_data}
+        self.resource = CustomResource(
+            self,
+            "Resource",
+            service_token=image_stack.provider.service_token,
+            resource_type="Custom::DeployedImage",
+            service_timeout=_service_timeout(),
+            properties=properties,
         )
         self.image_uri = self.resource.get_att_string("ImageUri")
 
@@ -79,6 +157,7 @@ class ModelStaging(Construct):
             "Resource",
             service_token=image_stack.provider.service_token,
             resource_type="Custom::ModelStaging",
+            service_timeout=_service_timeout(),
             properties={
                 "Kind": "Model",
                 "ProjectName": image_stack.projects.model.project_name,
@@ -89,7 +168,37 @@ class ModelStaging(Construct):
                 "File": model.file,
                 "SizeBytes": str(model.size_bytes),
                 "Sha256": model.sha256,
-                "TimeoutMinutes": str(MODEL_STAGING_TIMEOUT_MINUTES),
+                "TimeoutMinutes": str(model.staging_timeout_minutes),
+                "QueuedTimeoutMinutes": str(model.staging_queued_timeout_minutes),
+                "Buildspec": image_stack.model_buildspec,
             },
         )
         self.model_s3_uri = self.resource.get_att_string("ModelS3Uri")
+
+
+class PostDeployCheck(Construct):
+    """After the endpoint update: the live config must be the stack's, and the endpoint must answer."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        image_stack: ImageStack,
+        endpoint_name: str,
+        endpoint_config_name: str,
+    ):
+        super().__init__(scope, construct_id)
+        self.resource = CustomResource(
+            self,
+            "Resource",
+            service_token=image_stack.provider.service_token,
+            resource_type="Custom::PostDeployCheck",
+            service_timeout=_service_timeout(),
+            properties={
+                "Kind": "PostDeployCheck",
+                "EndpointName": endpoint_name,
+                "EndpointConfigName": endpoint_config_name,
+            },
+        )
+        self.result = self.resource.get_att_string("Result")

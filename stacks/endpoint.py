@@ -4,13 +4,19 @@ The alpha L2 has no DeploymentConfig, ModelDataDownloadTimeout or InferenceAmiVe
 construct wires `CfnModel` → `CfnEndpointConfig` → `CfnEndpoint` itself, plus autoscaling. The
 endpoint keeps its configured name; models and endpoint configs get generated names, so any
 change replaces them and updates the endpoint in place through the blue/green policy.
+
+Replaced models and configs are *retained* (UpdateReplacePolicy and DeletionPolicy Retain): after an
+update that SageMaker rolled back on its own, the endpoint still runs the old config, and deleting it
+would leave the endpoint unable to scale out or replace an instance ("You must not delete an
+EndpointConfig in use by an endpoint", SageMaker API reference, UpdateEndpoint). They carry the tag
+`promote:endpoint=<name>`; `promote prune --endpoint <name> --keep N` deletes the unused ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import ArnFormat, Aws, Duration, RemovalPolicy, Stack
+from aws_cdk import ArnFormat, Aws, CfnTag, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_applicationautoscaling as appscaling
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
@@ -19,7 +25,7 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.common import retention_days
-from stacks.config import VariantConfig
+from stacks.config import ENDPOINT_TAG, VariantConfig, supports_volume_kms
 from stacks.monitoring import VARIANT_NAME, EndpointAlarms
 from stacks.nag import acknowledge
 
@@ -36,10 +42,12 @@ class ModelLocation:
 
 @dataclass(frozen=True)
 class ImageLocation:
-    """The image by digest and the ECR repository the role may pull from."""
+    """The image by digest, the ECR repository the role may pull from, and how it was chosen."""
 
     uri: str  # may be a token (custom resource output)
     repository_arn: str
+    source: str = "build"  # "pinned" (-c image_uri) or "build"; may be a token
+    guard: Construct | None = None  # must exist before the model (the prebuilt image's check)
 
 
 class ExecutionRole(Construct):
@@ -137,6 +145,17 @@ class ExecutionRole(Construct):
             "none either and is limited to SageMaker's namespaces by condition.",
         )
 
+    def allow_rollback_alarms(self, alarm_arns: list[str]) -> None:
+        """SageMaker reads the auto-rollback alarms with the execution role: "Ensure that your IAM
+        execution role has permission to perform the cloudwatch:DescribeAlarms action on the
+        auto-rollback alarms you specify" (SageMaker, "Auto-Rollback Configuration and Monitoring").
+        Metric alarms can be named by ARN (only composite alarms need `*`)."""
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                sid="ReadRollbackAlarms", actions=["cloudwatch:DescribeAlarms"], resources=alarm_arns
+            )
+        )
+
 
 class DeciderEndpoint(Construct):
     """Model, endpoint config, endpoint with blue/green guardrails, and autoscaling for one variant."""
@@ -190,6 +209,10 @@ class DeciderEndpoint(Construct):
                 )
             )
 
+        self.alarms = EndpointAlarms(self, "Alarms", variant=variant)
+        self.execution.allow_rollback_alarms([alarm.alarm_arn for alarm in self.alarms.rollback_alarms])
+        tags = [CfnTag(key=ENDPOINT_TAG, value=variant.endpoint_name)]
+
         self.model = sagemaker.CfnModel(
             self,
             "Model",
@@ -205,7 +228,9 @@ class DeciderEndpoint(Construct):
                     )
                 ),
             ),
+            tags=tags,
         )
+        self.model.apply_removal_policy(RemovalPolicy.RETAIN)
         # CreateModel checks that the role can pull the image: the policy must exist first.
         self.model.node.add_dependency(role.node.find_child("DefaultPolicy"))
 
@@ -247,26 +272,16 @@ class DeciderEndpoint(Construct):
             self,
             "Config",
             # No EndpointConfigName: every property change replaces the config, which needs a new name.
-            production_variants=[
-                sagemaker.CfnEndpointConfig.ProductionVariantProperty(
-                    variant_name=VARIANT_NAME,
-                    model_name=self.model.attr_model_name,
-                    instance_type=variant.instance_type,
-                    initial_instance_count=variant.initial_instance_count,
-                    initial_variant_weight=1.0,
-                    container_startup_health_check_timeout_in_seconds=(
-                        variant.container_startup_health_check_timeout_s
-                    ),
-                    model_data_download_timeout_in_seconds=variant.model_data_download_timeout_s,
-                    inference_ami_version=variant.inference_ami_version,
-                )
-            ],
+            production_variants=[self._production_variant()],
             kms_key_id=self.volume_key.key_arn if self.volume_key else None,
             data_capture_config=data_capture,
+            tags=tags,
         )
-        if self.volume_key is None:
+        self.endpoint_config.apply_removal_policy(RemovalPolicy.RETAIN)
+        if self.volume_key is None and not variant.on_ebs:  # volume_kms=false on EBS stays a finding
+            nvme = ", ".join(t for t in variant.instance_types if not supports_volume_kms(t))
             reason = (
-                f"{variant.instance_type} keeps the model on local NVMe instance storage, which SageMaker "
+                f"{nvme} keeps the model on local NVMe instance storage, which SageMaker "
                 "encrypts with a hardware key and for which CreateEndpointConfig rejects KmsKeyId."
             )
             for pack in ("HIPAA.Security", "NIST.800.53.R5", "PCI.DSS.321"):
@@ -274,17 +289,70 @@ class DeciderEndpoint(Construct):
                     self.endpoint_config, f"{pack}-SageMakerEndpointConfigurationKMSKeyConfigured", reason
                 )
 
-        self.alarms = EndpointAlarms(self, "Alarms", variant=variant)
         self.endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
             endpoint_name=variant.endpoint_name,
             endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
             deployment_config=self._deployment_config(),
+            # An update keeps the live instance count (autoscaled fleets are not reset to
+            # initial_instance_count) and weight. Without autoscaling the configured count applies.
+            # DataCaptureConfig cannot be excluded ("Not currently supported", SageMaker API
+            # reference, VariantProperty).
+            retain_all_variant_properties=True,
+            exclude_retained_variant_properties=(
+                None
+                if variant.autoscaling
+                else [
+                    sagemaker.CfnEndpoint.VariantPropertyProperty(
+                        variant_property_type="DesiredInstanceCount"
+                    )
+                ]
+            ),
         )
         self.endpoint.node.add_dependency(self.log_group)
         if variant.autoscaling:
             self._autoscaling()
+
+    def _production_variant(self) -> sagemaker.CfnEndpointConfig.ProductionVariantProperty:
+        """One variant: a single instance type, or InstancePools (priority 1 = instance_type) when
+        fallbacks are configured ("replace the InstanceType parameter in the production variant with
+        the InstancePools list", SageMaker, "Deploy to multiple instance types with instance pools")."""
+        variant = self.variant
+        pools = None
+        if variant.instance_pools:
+            pools = [
+                sagemaker.CfnEndpointConfig.InstancePoolProperty(
+                    instance_type=instance_type, priority=priority
+                )
+                for priority, instance_type in enumerate(variant.instance_types, start=1)
+            ]
+        routing = None
+        if variant.routing.strategy is not None:
+            prefix_aware = None
+            if variant.routing.strategy == "PREFIX_AWARE":
+                prefix_aware = sagemaker.CfnEndpointConfig.PrefixAwareRoutingConfigProperty(
+                    prefix_length=variant.routing.prefix_length,
+                    concurrency_threshold=variant.routing.concurrency_threshold,
+                )
+            routing = sagemaker.CfnEndpointConfig.RoutingConfigProperty(
+                routing_strategy=variant.routing.strategy, prefix_aware_routing_config=prefix_aware
+            )
+        return sagemaker.CfnEndpointConfig.ProductionVariantProperty(
+            variant_name=VARIANT_NAME,
+            model_name=self.model.attr_model_name,
+            instance_type=None if pools else variant.instance_type,
+            instance_pools=pools,
+            variant_instance_provision_timeout_in_seconds=variant.provision_timeout_s,
+            initial_instance_count=variant.initial_instance_count,
+            initial_variant_weight=1.0,
+            container_startup_health_check_timeout_in_seconds=variant.container_startup_health_check_timeout_s,
+            model_data_download_timeout_in_seconds=variant.model_data_download_timeout_s,
+            # EBS-backed types only; SageMaker refuses VolumeSizeInGB on NVMe instance storage.
+            volume_size_in_gb=variant.ebs_volume_size_gb,
+            inference_ami_version=variant.inference_ami_version,
+            routing_config=routing,
+        )
 
     def _deployment_config(self) -> sagemaker.CfnEndpoint.DeploymentConfigProperty:
         policy = self.variant.deployment

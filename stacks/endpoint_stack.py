@@ -1,15 +1,25 @@
-"""CpuStack / GpuStack: one SageMaker endpoint variant, its image build and model staging requests,
-alarms, dashboard and outputs. Both stacks are this class with a different `VariantConfig`."""
+"""CpuStack / GpuStack: one SageMaker endpoint variant, its model staging and image build requests
+(one after the other: new accounts often run one CodeBuild build at a time), alarms, dashboard, the
+post-deploy check, the record of the deployed image (SSM) and outputs. Both stacks are this class
+with a different `VariantConfig`."""
 
 from __future__ import annotations
 
 import json
 
-from aws_cdk import Aws, CfnOutput, Stack
+from aws_cdk import Aws, CfnOutput, Fn, Stack
+from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
-from stacks.config import IMAGE_URI_RE, S3_PREFIX_RE, AppConfig, VariantConfig, container_environment
-from stacks.deploy_time_build import ImageBuild, ModelStaging
+from stacks.config import (
+    IMAGE_URI_RE,
+    S3_PREFIX_RE,
+    AppConfig,
+    VariantConfig,
+    container_environment,
+    deployed_image_parameter,
+)
+from stacks.deploy_time_build import DeployedImage, ImageBuild, ModelStaging, PostDeployCheck
 from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
 from stacks.image_stack import ImageStack
 from stacks.monitoring import EndpointDashboard
@@ -55,8 +65,9 @@ class EndpointStack(Stack):
         self.variant = variant
         self.add_stack_dependency(image_stack, "builds the image and stages the model")
 
-        image = self._image(variant, image_stack)
+        self.staging: ModelStaging | None = None
         model = self._model(variant, config, image_stack)
+        image = self._image(variant, config, image_stack)
         self.endpoint = DeciderEndpoint(
             self,
             "Decider",
@@ -66,10 +77,29 @@ class EndpointStack(Stack):
             environment=container_environment(variant, config.model),
             data_capture_bucket=image_stack.artifacts_bucket_name,
         )
+        if image.guard is not None:  # the image is checked and protected before the model uses it
+            self.endpoint.model.node.add_dependency(image.guard)
         self.dashboard = EndpointDashboard(self, "Monitoring", variant=variant, alarms=self.endpoint.alarms)
+        self.check = PostDeployCheck(
+            self,
+            "PostDeployCheck",
+            image_stack=image_stack,
+            endpoint_name=self.endpoint.endpoint.attr_endpoint_name,
+            endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
+        )
+        # Written only after the check passed (a rollback restores the previous value); the next
+        # deploy reads it to keep an image pinned with `-c image_uri` (stacks/handlers/codebuild_job.py).
+        self.record = ssm.StringParameter(
+            self,
+            "DeployedImageRecord",
+            parameter_name=deployed_image_parameter(config.project, variant),
+            description=f"Image of the last successful {variant.endpoint_name} deploy, and its source",
+            string_value=Fn.join("", ['{"image_uri":"', image.uri, '","source":"', image.source, '"}']),
+        )
+        self.record.node.add_dependency(self.check)
         self._outputs(image, model)
 
-    def _image(self, variant: VariantConfig, image_stack: ImageStack) -> ImageLocation:
+    def _image(self, variant: VariantConfig, config: AppConfig, image_stack: ImageStack) -> ImageLocation:
         if variant.image_uri:
             match = IMAGE_URI_RE.match(variant.image_uri)
             assert match is not None  # validated by the config
@@ -77,9 +107,20 @@ class EndpointStack(Stack):
                 f"arn:{Aws.PARTITION}:ecr:{match['region']}:{match['account']}:"
                 f"repository/{match['repository']}"
             )
-            return ImageLocation(uri=variant.image_uri, repository_arn=repository_arn)
-        build = ImageBuild(self, "ImageBuild", image_stack=image_stack, variant=variant)
-        return ImageLocation(uri=build.image_uri, repository_arn=image_stack.repository.repository_arn)
+            deployed = DeployedImage(
+                self, "PinnedImage", image_stack=image_stack, variant=variant, image_uri=variant.image_uri
+            )
+            return ImageLocation(
+                uri=variant.image_uri, repository_arn=repository_arn, source="pinned", guard=deployed
+            )
+        build = ImageBuild(
+            self, "ImageBuild", image_stack=image_stack, variant=variant, project=config.project
+        )
+        if self.staging is not None:  # one CodeBuild build at a time: staging first, then the image
+            build.resource.node.add_dependency(self.staging)
+        return ImageLocation(
+            uri=build.image_uri, repository_arn=image_stack.repository.repository_arn, source=build.source
+        )
 
     def _model(self, variant: VariantConfig, config: AppConfig, image_stack: ImageStack) -> ModelLocation:
         if variant.model_s3_uri:
@@ -88,7 +129,9 @@ class EndpointStack(Stack):
             return ModelLocation(
                 s3_uri=variant.model_s3_uri, bucket_name=match["bucket"], prefix=match["prefix"]
             )
-        staging = ModelStaging(self, "ModelStaging", image_stack=image_stack, model=config.model)
+        staging = self.staging = ModelStaging(
+            self, "ModelStaging", image_stack=image_stack, model=config.model
+        )
         return ModelLocation(
             s3_uri=staging.model_s3_uri,
             bucket_name=staging.bucket_name,
@@ -108,6 +151,12 @@ class EndpointStack(Stack):
             description="SageMaker execution role of the endpoint",
         )
         CfnOutput(self, "ImageUri", value=image.uri, description="Image served, by digest")
+        CfnOutput(
+            self,
+            "ImageSource",
+            value=image.source,
+            description="pinned (a -c image_uri deploy, kept until -c <variant>.image_source=build) or build",
+        )
         CfnOutput(self, "ModelS3Uri", value=model.s3_uri, description="Model data (uncompressed S3 prefix)")
         CfnOutput(
             self,

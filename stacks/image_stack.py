@@ -1,14 +1,22 @@
 """ImageStack: what both endpoints share. ECR repository, artifacts bucket, the CodeBuild projects
-that build the image and stage the model, and the custom-resource provider that runs them at deploy
-time. The endpoint stacks request their own image build and model staging from it (see
-`stacks.deploy_time_build`), so deploying CpuStack never waits for a CUDA build."""
+that build the image and stage the model, the custom-resource provider that runs them at deploy time
+(and the endpoint stacks' image checks and post-deploy checks), and the watcher that fails an image
+build's wait condition when the build fails. The endpoint stacks request their own image build and
+model staging from it (see `stacks.deploy_time_build`), so deploying CpuStack never waits for a CUDA
+build.
+
+The endpoint stacks read this stack's outputs through weak references (`Fn::GetStackOutput`), which
+do not stop a delete, so ImageStack has termination protection: delete GpuStack and CpuStack first
+(docs/deploy.md, "Cost and clean-up")."""
 
 from __future__ import annotations
 
 import yaml
-from aws_cdk import Aws, Duration, RemovalPolicy, Stack
+from aws_cdk import Aws, CfnOutput, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_ecr as ecr
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_lambda as lambda_
@@ -20,14 +28,27 @@ from aws_cdk import custom_resources as cr
 from constructs import Construct
 
 from stacks.common import retention_days
-from stacks.config import AppConfig
+from stacks.config import (
+    BUILD_DEADLINE_GRACE_MINUTES,
+    BUILD_START_RETRY_MINUTES,
+    PROVIDER_TOTAL_TIMEOUT_MINUTES,
+    AppConfig,
+    ModelArtifact,
+    VariantConfig,
+    deployed_image_parameter,
+)
 from stacks.nag import acknowledge
 from stacks.paths import ASSET_EXCLUDES, BUILDSPEC_DIR, CONTAINER_DIR, HANDLERS_DIR, container_excludes
 
-# The provider framework polls every 30 s and gives up after 2 h (its maximum).
+# The provider framework polls every 30 s and gives up after 55 min: a custom resource cannot wait
+# longer than one hour (ServiceTimeout 1-3600 s; aws/aws-cdk#24974). The image build itself is waited
+# for by a WaitCondition in the endpoint stack.
 BUILD_POLL_INTERVAL = Duration.seconds(30)
-BUILD_TOTAL_TIMEOUT = Duration.hours(2)
+PROVIDER_TOTAL_TIMEOUT = Duration.minutes(PROVIDER_TOTAL_TIMEOUT_MINUTES)
 IMAGES_KEPT_PER_VARIANT = 20
+# "keep-<digest>" marks deployed images; this count is never reached, so they never expire.
+KEPT_DEPLOYED_IMAGES = 10_000
+IMAGE_FAILED_STATES = ["FAILED", "FAULT", "STOPPED", "TIMED_OUT"]
 
 
 def artifacts_bucket_name(project: str) -> str:
@@ -96,28 +117,38 @@ class ImageRepository(Construct):
             encryption=ecr.RepositoryEncryption.AES_256,
             removal_policy=RemovalPolicy.RETAIN,
             lifecycle_rules=[
+                # First: an image that matches a higher-priority rule cannot be expired by a
+                # lower-priority one (ECR lifecycle policy evaluation rules), so every image an endpoint
+                # config references (tagged keep-<digest> at deploy) stays pullable.
                 ecr.LifecycleRule(
                     rule_priority=1,
+                    description="Deployed images (keep-<digest>): never expire",
+                    tag_status=ecr.TagStatus.TAGGED,
+                    tag_prefix_list=["keep-"],
+                    max_image_count=KEPT_DEPLOYED_IMAGES,
+                ),
+                ecr.LifecycleRule(
+                    rule_priority=2,
                     description="Untagged layers left by interrupted pushes",
                     tag_status=ecr.TagStatus.UNTAGGED,
                     max_image_age=Duration.days(14),
                 ),
                 ecr.LifecycleRule(
-                    rule_priority=2,
+                    rule_priority=3,
                     description=f"Keep the last {IMAGES_KEPT_PER_VARIANT} CPU images",
                     tag_status=ecr.TagStatus.TAGGED,
                     tag_prefix_list=["cpu-"],
                     max_image_count=IMAGES_KEPT_PER_VARIANT,
                 ),
                 ecr.LifecycleRule(
-                    rule_priority=3,
+                    rule_priority=4,
                     description=f"Keep the last {IMAGES_KEPT_PER_VARIANT} CUDA images",
                     tag_status=ecr.TagStatus.TAGGED,
                     tag_prefix_list=["cuda-"],
                     max_image_count=IMAGES_KEPT_PER_VARIANT,
                 ),
                 ecr.LifecycleRule(
-                    rule_priority=4,
+                    rule_priority=5,
                     description="Backstop for anything else pushed here",
                     tag_status=ecr.TagStatus.ANY,
                     max_image_count=100,
@@ -140,9 +171,12 @@ class BuildProjects(Construct):
         repository: ecr.IRepository,
         artifacts: s3.IBucket,
         source: s3_assets.Asset,
+        model: ModelArtifact,
         log_retention: logs.RetentionDays,
     ) -> None:
         super().__init__(scope, construct_id)
+        self.image_buildspec = inline_buildspec("image.yml")
+        self.model_buildspec = inline_buildspec("model.yml")
         self.key = kms.Key(
             self,
             "Key",
@@ -159,15 +193,17 @@ class BuildProjects(Construct):
             "ImageBuild",
             description="Builds container/ into the decider image (VARIANT=cpu|cuda), "
             "pushes it by content tag",
-            build_spec=inline_buildspec("image.yml"),
+            build_spec=self.image_buildspec,
             environment=codebuild.BuildEnvironment(
                 build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
-                # CUDA builds need cores and disk; each variant overrides the size at start (config).
-                compute_type=codebuild.ComputeType.X2_LARGE,
+                # Each variant sets its size, timeouts and buildspec at StartBuild (config). LARGE works
+                # with the local Docker layer cache; a 2XLARGE build switches the cache off, which
+                # CodeBuild does not support there (CodeBuild User Guide, "Local caching").
+                compute_type=codebuild.ComputeType.LARGE,
                 privileged=True,
             ),
             cache=codebuild.Cache.local(codebuild.LocalCacheMode.DOCKER_LAYER),
-            timeout=Duration.minutes(110),
+            timeout=Duration.minutes(60),
             queued_timeout=Duration.minutes(60),
             encryption_key=self.key,
             logging=codebuild.LoggingOptions(
@@ -193,13 +229,13 @@ class BuildProjects(Construct):
             "ModelStaging",
             description="Copies the pinned GGUF from Hugging Face to the artifacts bucket, "
             "checking its sha256",
-            build_spec=inline_buildspec("model.yml"),
+            build_spec=self.model_buildspec,
             environment=codebuild.BuildEnvironment(
                 build_image=codebuild.LinuxBuildImage.STANDARD_7_0,
                 compute_type=codebuild.ComputeType.SMALL,
             ),
-            timeout=Duration.minutes(60),
-            queued_timeout=Duration.minutes(60),
+            timeout=Duration.minutes(model.staging_timeout_minutes),
+            queued_timeout=Duration.minutes(model.staging_queued_timeout_minutes),
             encryption_key=self.key,
             logging=codebuild.LoggingOptions(
                 cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=model_logs)
@@ -239,7 +275,8 @@ class BuildProjects(Construct):
 
 
 class BuildProvider(Construct):
-    """Custom-resource provider that starts a CodeBuild job and waits for its result."""
+    """Custom-resource provider of the deploy-time jobs (stacks/handlers/codebuild_job.py), and the
+    watcher that fails an image build's wait condition as soon as the build fails."""
 
     def __init__(
         self,
@@ -249,39 +286,120 @@ class BuildProvider(Construct):
         projects: BuildProjects,
         repository: ecr.IRepository,
         artifacts: s3.IBucket,
+        project: str,
+        endpoint_stacks: dict[str, VariantConfig],
         log_retention: logs.RetentionDays,
     ) -> None:
         super().__init__(scope, construct_id)
         code = lambda_.Code.from_asset(str(HANDLERS_DIR), exclude=ASSET_EXCLUDES)
+        limits = {
+            "POLL_SECONDS": str(int(BUILD_POLL_INTERVAL.to_seconds())),
+            "START_RETRY_MINUTES": str(BUILD_START_RETRY_MINUTES),
+            "DEADLINE_GRACE_MINUTES": str(BUILD_DEADLINE_GRACE_MINUTES),
+        }
 
-        def handler(name: str, entry: str, timeout: Duration) -> lambda_.Function:
+        def handler(
+            name: str, entry: str, timeout: Duration, description: str, *, environment: dict[str, str]
+        ) -> lambda_.Function:
             return lambda_.Function(
                 self,
                 name,
                 runtime=lambda_.Runtime.PYTHON_3_14,
-                handler=f"codebuild_job.{entry}",
+                handler=entry,
                 code=code,
                 timeout=timeout,
                 memory_size=256,
-                description=f"Deploy-time CodeBuild job: {entry}",
+                description=description,
+                environment=environment,
                 log_group=logs.LogGroup(
                     self, f"{name}Logs", retention=log_retention, removal_policy=RemovalPolicy.DESTROY
                 ),
             )
 
-        on_event = handler("OnEvent", "on_event", Duration.minutes(1))
-        is_complete = handler("IsComplete", "is_complete", Duration.minutes(1))
+        on_event = handler(
+            "OnEvent",
+            "codebuild_job.on_event",
+            Duration.minutes(2),
+            "Deploy-time jobs: start or settle",
+            environment=limits,
+        )
+        # Long enough for the post-deploy check's two invocations (each up to 60 s, SageMaker's limit).
+        is_complete = handler(
+            "IsComplete",
+            "codebuild_job.is_complete",
+            Duration.minutes(5),
+            "Deploy-time jobs: poll",
+            environment=limits,
+        )
+        stack = Stack.of(self)
         project_arns = [projects.image.project_arn, projects.model.project_arn]
-        # on_event finds an existing image or model, else starts a build; is_complete polls (or stops) it.
         on_event.add_to_role_policy(
-            iam.PolicyStatement(actions=["codebuild:StartBuild"], resources=project_arns)
+            iam.PolicyStatement(sid="StartBuilds", actions=["codebuild:StartBuild"], resources=project_arns)
+        )
+        # Existing tag lookup, and the keep-<digest> tag on deployed images (BatchGetImage + PutImage).
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="FindAndKeepImages",
+                actions=["ecr:DescribeImages", "ecr:BatchGetImage", "ecr:PutImage"],
+                resources=[repository.repository_arn],
+            )
         )
         on_event.add_to_role_policy(
-            iam.PolicyStatement(actions=["ecr:DescribeImages"], resources=[repository.repository_arn])
+            iam.PolicyStatement(
+                sid="ReadDeployedImageRecords",
+                actions=["ssm:GetParameter"],
+                resources=[
+                    stack.format_arn(
+                        service="ssm",
+                        resource="parameter",
+                        resource_name=deployed_image_parameter(project, variant).lstrip("/"),
+                    )
+                    for variant in endpoint_stacks.values()
+                ],
+            )
+        )
+        # The post-deploy check skips itself while its stack rolls back.
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="SeeStackRollbacks",
+                actions=["cloudformation:DescribeStacks"],
+                resources=[
+                    stack.format_arn(service="cloudformation", resource="stack", resource_name=f"{name}/*")
+                    for name in endpoint_stacks
+                ],
+            )
+        )
+        for name in endpoint_stacks:
+            acknowledge(
+                on_event,
+                f"AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:cloudformation:<AWS::Region>:"
+                f"<AWS::AccountId>:stack/{name}/*]",
+                "A stack ARN ends in an id CloudFormation generates; the function only reads the status "
+                "of this endpoint stack.",
+            )
+        is_complete.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="PollAndRetryBuilds",
+                actions=[
+                    "codebuild:BatchGetBuilds",
+                    "codebuild:StopBuild",
+                    "codebuild:StartBuild",
+                    "codebuild:ListBuildsForProject",
+                ],
+                resources=project_arns,
+            )
         )
         is_complete.add_to_role_policy(
             iam.PolicyStatement(
-                actions=["codebuild:BatchGetBuilds", "codebuild:StopBuild"], resources=project_arns
+                sid="CheckDeployedEndpoints",
+                actions=["sagemaker:DescribeEndpoint", "sagemaker:InvokeEndpoint"],
+                resources=[
+                    # SageMaker ARNs carry the endpoint name in lower case.
+                    stack.format_arn(
+                        service="sagemaker", resource="endpoint", resource_name=variant.endpoint_name.lower()
+                    )
+                    for variant in endpoint_stacks.values()
+                ],
             )
         )
         for function in (on_event, is_complete):
@@ -295,7 +413,7 @@ class BuildProvider(Construct):
             on_event_handler=on_event,
             is_complete_handler=is_complete,
             query_interval=BUILD_POLL_INTERVAL,
-            total_timeout=BUILD_TOTAL_TIMEOUT,
+            total_timeout=PROVIDER_TOTAL_TIMEOUT,
             log_group=provider_logs,
             disable_waiter_state_machine_logging=False,
             waiter_state_machine_log_options=cr.LogOptions(
@@ -304,6 +422,20 @@ class BuildProvider(Construct):
                 ),
                 level=sfn.LogLevel.ALL,
             ),
+        )
+        # A failed, stopped or timed-out image build fails its wait condition at once.
+        watcher = handler(
+            "BuildWatcher",
+            "build_watcher.on_build_state_change",
+            Duration.seconds(30),
+            "Signals FAILURE to the wait condition of a failed image build",
+            environment={},
+        )
+        projects.image.on_state_change(
+            "ImageBuildFailed",
+            target=targets.LambdaFunction(watcher, retry_attempts=4, max_event_age=Duration.hours(1)),
+            event_pattern=events.EventPattern(detail={"build-status": IMAGE_FAILED_STATES}),
+            description="Failed image builds: signal FAILURE to their deploy's wait condition",
         )
         acknowledge(
             self,
@@ -322,7 +454,6 @@ class BuildProvider(Construct):
             "The provider framework's waiter state machine only polls one build every 30 s; its "
             "execution history and ALL-level logs are enough to trace it without X-Ray.",
         )
-        stack = Stack.of(self)
         for child in self.node.find_all():
             if isinstance(child, lambda_.CfnFunction):
                 acknowledge(
@@ -367,7 +498,8 @@ def grant_models_access(grantee: iam.IGrantable, artifacts: s3.IBucket, *, write
     grantee.grant_principal.add_to_principal_policy(
         iam.PolicyStatement(actions=actions, resources=[artifacts.arn_for_objects("models/*")])
     )
-    # Without ListBucket, HeadObject on a missing key answers 403 instead of 404.
+    # ListBucket on the models/ prefix: a HeadObject on a missing key still answers 403 (there is no
+    # unconditional ListBucket), and the handler tells absent from denied with a prefix listing.
     grantee.grant_principal.add_to_principal_policy(
         iam.PolicyStatement(
             actions=["s3:ListBucket"],
@@ -385,10 +517,19 @@ def grant_models_access(grantee: iam.IGrantable, artifacts: s3.IBucket, *, write
 
 
 class ImageStack(Stack):
-    """Shared resources of both endpoint stacks."""
+    """Shared resources of both endpoint stacks. Termination protection is on: the endpoint stacks
+    depend on it through weak references that would not stop its deletion."""
 
-    def __init__(self, scope: Construct, construct_id: str, *, config: AppConfig, **kwargs) -> None:
-        super().__init__(scope, construct_id, **kwargs)
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: AppConfig,
+        endpoint_stacks: dict[str, VariantConfig],
+        **kwargs,
+    ) -> None:
+        super().__init__(scope, construct_id, termination_protection=True, **kwargs)
         retention = retention_days(config.cpu.log_retention_days)
         self.store = ArtifactsStore(self, "Store", project=config.project)
         self.artifacts = self.store.bucket
@@ -405,6 +546,7 @@ class ImageStack(Stack):
             repository=self.repository,
             artifacts=self.artifacts,
             source=self.container_source,
+            model=config.model,
             log_retention=retention,
         )
         self.provider = BuildProvider(
@@ -413,8 +555,20 @@ class ImageStack(Stack):
             projects=self.projects,
             repository=self.repository,
             artifacts=self.artifacts,
+            project=config.project,
+            endpoint_stacks=endpoint_stacks,
             log_retention=retention,
         )
+        CfnOutput(
+            self,
+            "ImageRepositoryUri",
+            value=self.repository.repository_uri,
+            description="Push CI images here (buildspec/pipeline.yml IMAGE_REPOSITORY_URI): deployed digests "
+            "get the keep-<digest> tag its lifecycle policy never expires",
+        )
+        # The buildspecs as StartBuild's buildspecOverride (the same YAML as the projects' own).
+        self.image_buildspec = self.projects.image_buildspec.to_build_spec()
+        self.model_buildspec = self.projects.model_buildspec.to_build_spec()
 
     @property
     def source_hash(self) -> str:

@@ -1,4 +1,10 @@
-"""Alarms and the CloudWatch dashboard of one endpoint variant.
+"""Alarms, their SNS topic, and the CloudWatch dashboard of one endpoint variant.
+
+Two alarms roll a deployment back: the 5xx *rate* (metric math over Invocations, so a background
+error rate on a busy endpoint does not roll back every deploy, and a single error in a quiet minute
+does not either) and the model latency p90. The others notify only: the 4xx rate, the model error
+rate (InvocationModelErrors: any non-2xx answer, socket error or timeout), ModelSetupTime and memory.
+Every alarm sends ALARM and OK to the stack's SNS topic.
 
 The alarms' dimensions use the (stable, configured) endpoint name rather than a reference to the
 endpoint resource: the endpoint's DeploymentConfig references the alarms, so a reference back
@@ -7,14 +13,23 @@ would be a cycle.
 
 from __future__ import annotations
 
-from aws_cdk import Duration
+from aws_cdk import Aws, Duration, RemovalPolicy
 from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_cloudwatch_actions as cw_actions
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_sns as sns
 from constructs import Construct
 
 from stacks.config import VariantConfig
 
 VARIANT_NAME = "AllTraffic"
 ONE_MINUTE = Duration.minutes(1)
+ERROR_KINDS = {
+    "Invocation5XXErrors": "server",
+    "Invocation4XXErrors": "client",
+    "InvocationModelErrors": "model",
+}
 
 
 def _metric(
@@ -43,21 +58,93 @@ def instance_metric(name: str, variant: VariantConfig, statistic: str = "Average
     return _metric("/aws/sagemaker/Endpoints", name, variant, statistic, None)
 
 
+def error_rate(errors_metric: str, variant: VariantConfig, label: str) -> cw.MathExpression:
+    """100 × errors / invocations per minute; 0 in minutes with fewer than `error_rate_min_invocations`
+    requests (a quiet minute's single error is not a rate)."""
+    floor = variant.alarms.error_rate_min_invocations
+    # Metric ids must be unique within one graph, which shows several rates.
+    kind = ERROR_KINDS[errors_metric]
+    errors, invocations = f"{kind}_errors", f"{kind}_invocations"
+    return cw.MathExpression(
+        expression=f"IF({invocations} >= {floor}, 100 * {errors} / {invocations}, 0)",
+        using_metrics={
+            errors: invocation_metric(errors_metric, variant),
+            invocations: invocation_metric("Invocations", variant),
+        },
+        period=ONE_MINUTE,
+        label=label,
+    )
+
+
+class AlarmTopic(Construct):
+    """The SNS topic every alarm of the endpoint notifies: encrypted, TLS only, CloudWatch may publish."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, variant: VariantConfig) -> None:
+        super().__init__(scope, construct_id)
+        # CloudWatch cannot publish to a topic encrypted with the AWS-managed SNS key: a customer key
+        # whose policy lets CloudWatch use it (Amazon SNS Developer Guide, encryption at rest with
+        # CloudWatch alarms as the event source).
+        self.key = kms.Key(
+            self,
+            "Key",
+            description=f"Encrypts the alarm notifications of the {variant.endpoint_name} endpoint",
+            enable_key_rotation=True,
+            removal_policy=RemovalPolicy.DESTROY,
+            pending_window=Duration.days(7),
+        )
+        self.key.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="CloudWatchAlarmsPublish",
+                principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+                actions=["kms:Decrypt", "kms:GenerateDataKey*"],
+                resources=["*"],  # in a key policy, "*" is this key
+                conditions={"StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID}},
+            )
+        )
+        self.topic = sns.Topic(
+            self,
+            "Topic",
+            display_name=f"{variant.endpoint_name} alarms",
+            master_key=self.key,
+            enforce_ssl=True,
+        )
+        self.topic.add_to_resource_policy(
+            iam.PolicyStatement(
+                sid="CloudWatchAlarmsPublish",
+                principals=[iam.ServicePrincipal("cloudwatch.amazonaws.com")],
+                actions=["sns:Publish"],
+                resources=[self.topic.topic_arn],
+                conditions={"StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID}},
+            )
+        )
+        if variant.alarms.email:
+            sns.Subscription(
+                self,
+                "Email",
+                topic=self.topic,
+                protocol=sns.SubscriptionProtocol.EMAIL,
+                endpoint=variant.alarms.email,
+            )
+
+
 class EndpointAlarms(Construct):
-    """5xx errors and model latency roll a deployment back; memory pressure is reported only."""
+    """Rate and latency alarms roll a deployment back; the others notify. All notify the topic."""
 
     def __init__(self, scope: Construct, construct_id: str, *, variant: VariantConfig) -> None:
         super().__init__(scope, construct_id)
         thresholds = variant.alarms
-        self.errors_5xx = cw.Alarm(
+        name = variant.endpoint_name
+        self.topic = AlarmTopic(self, "Notify", variant=variant).topic
+        self.error_rate = cw.Alarm(
             self,
-            "Errors5xx",
-            alarm_description=f"{variant.endpoint_name}: {thresholds.error_5xx_count}+ 5xx responses "
-            "a minute "
-            "in 2 of 3 minutes. Rolls back a deployment in progress.",
-            metric=invocation_metric("Invocation5XXErrors", variant),
-            threshold=thresholds.error_5xx_count,
-            comparison_operator=cw.ComparisonOperator.GREATER_THAN_OR_EQUAL_TO_THRESHOLD,
+            "ErrorRate5xx",
+            alarm_description=f"{name}: more than {thresholds.error_rate_percent:g} % of invocations "
+            f"answered 5xx in 2 of 3 minutes (minutes with fewer than "
+            f"{thresholds.error_rate_min_invocations} invocations count as 0). Rolls back a deployment "
+            "in progress.",
+            metric=error_rate("Invocation5XXErrors", variant, "5xx error rate (%)"),
+            threshold=thresholds.error_rate_percent,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
             evaluation_periods=3,
             datapoints_to_alarm=2,
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
@@ -65,8 +152,7 @@ class EndpointAlarms(Construct):
         self.latency = cw.Alarm(
             self,
             "ModelLatencyP90",
-            alarm_description=f"{variant.endpoint_name}: model latency p90 above "
-            f"{thresholds.latency_p90_ms} ms "
+            alarm_description=f"{name}: model latency p90 above {thresholds.latency_p90_ms} ms "
             "in 2 of 3 minutes. Rolls back a deployment in progress.",
             # ModelLatency is reported in microseconds.
             metric=invocation_metric("ModelLatency", variant, "p90"),
@@ -76,20 +162,73 @@ class EndpointAlarms(Construct):
             datapoints_to_alarm=2,
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
+        self.client_errors = cw.Alarm(
+            self,
+            "ErrorRate4xx",
+            alarm_description=f"{name}: more than {thresholds.client_error_rate_percent:g} % of invocations "
+            "answered 4xx in 2 of 3 minutes: callers send requests the endpoint refuses (see the error "
+            "codes in the endpoint's logs).",
+            metric=error_rate("Invocation4XXErrors", variant, "4xx error rate (%)"),
+            threshold=thresholds.client_error_rate_percent,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            evaluation_periods=3,
+            datapoints_to_alarm=2,
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        )
+        self.model_errors = cw.Alarm(
+            self,
+            "ModelErrorRate",
+            alarm_description=f"{name}: more than {thresholds.model_error_rate_percent:g} % of invocations "
+            "got no 2xx from the container (any error status, socket error or timeout) in 2 of 3 minutes.",
+            metric=error_rate("InvocationModelErrors", variant, "model error rate (%)"),
+            threshold=thresholds.model_error_rate_percent,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            evaluation_periods=3,
+            datapoints_to_alarm=2,
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        )
+        self.setup_time = cw.Alarm(
+            self,
+            "ModelSetupTime",
+            alarm_description=f"{name}: launching compute and loading the model took longer than "
+            f"{thresholds.model_setup_time_s} s.",
+            # ModelSetupTime is reported in microseconds; SageMaker documents it for compute it launches
+            # on demand, so an instance-backed fleet may never report it (then the alarm stays OK).
+            metric=invocation_metric("ModelSetupTime", variant, "Maximum"),
+            threshold=thresholds.model_setup_time_s * 1_000_000,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            evaluation_periods=1,
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        )
         self.memory = cw.Alarm(
             self,
             "MemoryHigh",
-            alarm_description=f"{variant.endpoint_name}: instance memory above 90 % for 5 minutes.",
+            alarm_description=f"{name}: instance memory above 90 % for 5 minutes.",
             metric=instance_metric("MemoryUtilization", variant, "Maximum"),
             threshold=90,
             comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
             evaluation_periods=5,
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
+        action = cw_actions.SnsAction(self.topic)
+        for alarm in self.all_alarms:
+            alarm.add_alarm_action(action)
+            alarm.add_ok_action(action)
 
     @property
     def rollback_alarms(self) -> list[cw.Alarm]:
-        return [self.errors_5xx, self.latency]
+        return [self.error_rate, self.latency]
+
+    @property
+    def all_alarms(self) -> list[cw.Alarm]:
+        return [
+            self.error_rate,
+            self.latency,
+            self.client_errors,
+            self.model_errors,
+            self.setup_time,
+            self.memory,
+        ]
 
 
 class EndpointDashboard(Construct):
@@ -119,6 +258,10 @@ class EndpointDashboard(Construct):
                     invocation_metric("Invocation5XXErrors", variant),
                     invocation_metric("InvocationModelErrors", variant),
                 ],
+                right=[
+                    error_rate("Invocation5XXErrors", variant, "5xx rate (%)"),
+                    error_rate("Invocation4XXErrors", variant, "4xx rate (%)"),
+                ],
                 width=12,
             ),
         )
@@ -134,10 +277,4 @@ class EndpointDashboard(Construct):
             ),
             cw.GraphWidget(title="Instance utilisation (%)", left=utilisation, width=12),
         )
-        self.dashboard.add_widgets(
-            cw.AlarmStatusWidget(
-                title="Alarms",
-                alarms=[alarms.errors_5xx, alarms.latency, alarms.memory],
-                width=24,
-            )
-        )
+        self.dashboard.add_widgets(cw.AlarmStatusWidget(title="Alarms", alarms=alarms.all_alarms, width=24))

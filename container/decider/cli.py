@@ -51,7 +51,8 @@ def describe_settings_error(exc: ValidationError) -> str:
         else:
             name = "settings"
         value = error.get("input")
-        shown = f"={value!r}" if field and not isinstance(value, dict) else ""
+        secret = field == "api_key"  # never print a key, not even a rejected one
+        shown = f"={value!r}" if field and not secret and not isinstance(value, dict) else ""
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         problems.append(f"{name}{shown}: {message}")
     return "invalid setting: " + "; ".join(problems)

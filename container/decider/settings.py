@@ -11,16 +11,31 @@ exception: SageMaker sets `SAGEMAKER_BIND_TO_PORT`, which wins over `DECIDER_POR
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "DECIDER_"
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
 SAGEMAKER_MAX_BODY_BYTES = 6 * 1024 * 1024
+# llama.cpp's CPU flash attention switches to a tiled kernel at 64 query rows in one micro-batch, and
+# to a split-KV reduction across threads for a micro-batch of one row (ggml-cpu ops.cpp,
+# GGML_FA_TILE_Q). Both round differently from the per-row kernel, so batch-invariant mode keeps
+# every micro-batch between 2 and 63 tokens (the engine pads a lone last token).
+INVARIANT_MAX_UBATCH = 63
+MIN_API_KEY_LENGTH = 16
 QuestionType = Literal["noul", "choice", "score"]
 
 
@@ -59,16 +74,37 @@ class Settings(BaseSettings):
         description="Template used when the GGUF carries none (base models): ChatML text, "
         "or a plain 'System:/User:/Assistant:' layout.",
     )
+    marker_tokens: tuple[str, ...] = Field(
+        (),
+        description="Token texts that caller text must never produce, on top of the vocabulary's control "
+        "tokens and the user-defined tokens the chat template prints, as a JSON list, e.g. "
+        '["<start_of_image>", "<end_of_image>"]. Each must be one token of the model; caller text '
+        "holding one is tokenized as plain text.",
+    )
 
     # --- llama.cpp context ---------------------------------------------------------------
     n_ctx: PositiveInt = Field(8192, description="Context size in tokens (KV cells, all sequences).")
     n_batch: PositiveInt = Field(2048, description="Logical batch: most tokens per llama_decode call.")
-    n_ubatch: PositiveInt = Field(512, description="Physical micro-batch size.")
+    n_ubatch: PositiveInt | None = Field(
+        None,
+        description="Physical micro-batch size; default 63 when batch_invariant (its maximum), else 512.",
+    )
     n_seq_max: int = Field(
-        32, ge=1, le=256, description="Most sequences in the context (branches per fan-out decode + 1)."
+        32,
+        ge=2,
+        le=256,
+        description="Sequences in the context, shared by all running requests: the prompt head, one per "
+        "state being prefilled, one per question branch, one per chat (and the invariance pad).",
     )
     n_threads: PositiveInt | None = Field(None, description="CPU threads; default: all cores.")
     n_gpu_layers: int = Field(0, ge=-1, description="Layers offloaded to the GPU; -1 or 999 = all.")
+    batch_invariant: bool | None = Field(
+        None,
+        description="CPU kernels whose results do not depend on what else shares a batch: a question's "
+        "answer is bitwise the same alone, among other questions or beside other requests, at any thread "
+        "count. Micro-batches of at most 63 tokens, tiled K-quant matmul at every row count, no weight "
+        "repacking. Default: on for CPU inference, off with GPU layers (CUDA picks kernels by batch size).",
+    )
     flash_attn: bool = Field(
         True,
         description="Use flash attention where the backend supports it (llama.cpp 'auto'). On CPU it "
@@ -83,6 +119,11 @@ class Settings(BaseSettings):
     decision_mode: Literal["shared", "fresh"] = Field(
         "shared", description="shared: prefill the state once and fan out; fresh: one prefill per question."
     )
+    prompt_version: Literal["decider-options-v1", "decider-options-v2"] = Field(
+        "decider-options-v1",
+        description="Decision prompt layout (reported in every response): v1 = SemIf-style JSON options; "
+        "v2 = compact `A. description` lines, about 40 % fewer tokens per question.",
+    )
     max_permutations: int = Field(8, ge=1, le=32, description="Largest `permutations` a request may ask for.")
 
     # --- request limits (each answers a clear 4xx) -----------------------------------------
@@ -90,7 +131,10 @@ class Settings(BaseSettings):
         SAGEMAKER_MAX_BODY_BYTES, ge=1024, le=SAGEMAKER_MAX_BODY_BYTES, description="413 above this."
     )
     max_questions: int = Field(64, ge=1, le=1024, description="Questions per decision request.")
-    max_options: int = Field(64, ge=2, le=1024, description="Options per choice, levels per score.")
+    max_options: int = Field(
+        255, ge=2, le=255, description="Options per choice, levels per score (Jev allows 2-255)."
+    )
+    max_batch_states: int = Field(64, ge=1, le=1024, description="States per /v1/systemone/batch request.")
     max_state_tokens: PositiveInt = Field(6144, description="Tokens of the state (evidence) alone.")
     max_chat_tokens: PositiveInt = Field(1024, description="Largest chat max_tokens accepted.")
 
@@ -104,6 +148,15 @@ class Settings(BaseSettings):
     )
 
     # --- HTTP ------------------------------------------------------------------------------
+    # InvokeEndpoint "strips all POST headers except those supported by the API" and is authorized by
+    # SigV4/IAM (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_runtime_InvokeEndpoint.html),
+    # so an Authorization header never reaches the container there: the key is for other hosts.
+    api_key: SecretStr | None = Field(
+        None,
+        description="When set, every route but /ping requires `Authorization: Bearer <key>` (401 otherwise). "
+        "For use outside SageMaker only: SageMaker does not forward Authorization, and its IAM "
+        "auth is the gate there, so to_environment() refuses to put a key into an endpoint.",
+    )
     host: str = Field("0.0.0.0", description="Bind address.")  # noqa: S104 - container port
     port: int = Field(
         8080,
@@ -114,16 +167,57 @@ class Settings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        key = value.get_secret_value()
+        if len(key) < MIN_API_KEY_LENGTH:
+            raise ValueError(f"the API key must be at least {MIN_API_KEY_LENGTH} characters")
+        if not all("!" <= char <= "~" for char in key):
+            raise ValueError("the API key must be printable ASCII without spaces (a bearer token)")
+        return value
+
+    @field_validator("marker_tokens")
+    @classmethod
+    def _check_markers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not text for text in value):
+            raise ValueError("marker token texts must not be empty")
+        return value
+
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:
-        if self.n_ubatch > self.n_batch:
-            raise ValueError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
+        if self.invariant_batches and self.n_gpu_layers != 0:
+            raise ValueError(
+                "batch_invariant holds for CPU kernels only; with n_gpu_layers set it to false "
+                "(or leave it unset)"
+            )
+        if self.invariant_batches and self.n_ubatch is not None and self.n_ubatch > INVARIANT_MAX_UBATCH:
+            raise ValueError(
+                f"n_ubatch ({self.n_ubatch}) must be at most {INVARIANT_MAX_UBATCH} with batch_invariant: "
+                "larger micro-batches switch llama.cpp's CPU attention to a tiled kernel"
+            )
+        if self.micro_batch > self.n_batch:
+            raise ValueError(f"n_ubatch ({self.micro_batch}) must not exceed n_batch ({self.n_batch})")
         if self.max_state_tokens >= self.n_ctx:
             raise ValueError(
                 f"max_state_tokens ({self.max_state_tokens}) must be below n_ctx ({self.n_ctx}), "
                 "so that questions still fit after the state"
             )
         return self
+
+    @property
+    def invariant_batches(self) -> bool:
+        """batch_invariant, resolved: on for CPU inference unless switched off."""
+        return self.n_gpu_layers == 0 if self.batch_invariant is None else self.batch_invariant
+
+    @property
+    def micro_batch(self) -> int:
+        """n_ubatch, resolved."""
+        if self.n_ubatch is not None:
+            return self.n_ubatch
+        return INVARIANT_MAX_UBATCH if self.invariant_batches else 512
 
     def temperature_for(self, question_type: QuestionType) -> float:
         """The readout temperature for one question type (its override, else the global one)."""
@@ -145,16 +239,30 @@ class Settings(BaseSettings):
     def to_environment(self, *, only_set: bool = False) -> dict[str, str]:
         """The environment that reproduces these settings, as SageMaker's `Environment` map.
 
-        Host and port are left out: SageMaker owns them.
+        Host and port are left out: SageMaker owns them. Unset optional values (None, an empty
+        list) are left out too. An API key is refused: it would be stored in clear in the
+        endpoint's model definition, and it would lock SageMaker out (InvokeEndpoint forwards
+        only `X-Amzn-SageMaker-Custom-Attributes`, never `Authorization`).
         """
+        if self.api_key is not None:
+            raise ValueError(
+                f"{self.env_name('api_key')} is for servers outside SageMaker: SageMaker does not forward "
+                "the Authorization header (IAM authorizes InvokeEndpoint), and the key would be stored in "
+                "clear in the model's environment"
+            )
         fields = self.model_fields_set if only_set else type(self).model_fields.keys()
         env: dict[str, str] = {}
         for name in sorted(fields):
             if name in {"host", "port"}:
                 continue
             value = getattr(self, name)
-            if value is None:
+            if value is None or value == ():
                 continue
-            text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, tuple):
+                text = json.dumps(list(value), ensure_ascii=False)
+            else:
+                text = str(value)
             env[self.env_name(name)] = text
         return env

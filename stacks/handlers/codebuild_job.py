@@ -1,23 +1,29 @@
-"""Deploy-time CodeBuild jobs behind a CloudFormation custom resource (CDK provider framework).
+"""Deploy-time jobs behind CloudFormation custom resources (CDK provider framework), by `Kind`:
 
-Two kinds of job, both idempotent and keyed by immutable inputs:
+* `Model`: stage the pinned GGUF from Hugging Face into the artifacts bucket with a CodeBuild build,
+  checking size and sha256; returns `ModelS3Uri`. Skipped when the object is already there with the
+  pinned sha256. `is_complete` polls the build.
+* `Image`: *start* the image build of one variant, or settle it without one: an image pinned by an
+  earlier `-c image_uri` deploy (recorded in SSM, kept unless `ImageSource` is `build`), or an
+  already pushed tag. The result (`<repo>@sha256:…`) arrives on the AWS::CloudFormation::WaitCondition
+  whose handle is `WaitHandle`: the buildspec signals SUCCESS after the push, the build watcher
+  (build_watcher.py) signals FAILURE, and this handler signals a result that needs no build. A
+  CUDA build may outlast the one hour a custom resource can wait; a wait condition waits up to 12 h.
+* `DeployedImage`: the image the endpoint will run (from the wait condition's data, or a prebuilt
+  URI), checked to exist and tagged `keep-<digest>` so that the ECR lifecycle never expires it.
+* `PostDeployCheck`: after the endpoint update, fail the deploy unless the endpoint runs this
+  stack's config and answers a decision and a chat request (post_deploy_check.py).
 
-* `Image`: build the container image for one variant from the container source asset and push it
-  with the tag `<variant>-<source hash>`. Returns `ImageUri` = `<repository uri>@sha256:<digest>`.
-  If the tag already exists (immutable tags), its digest is returned without building.
-* `Model`: stage the pinned GGUF from Hugging Face into the artifacts bucket and check its size and
-  sha256. Returns `ModelS3Uri` (the uncompressed S3 prefix). If the object is already there with
-  the expected sha256 metadata, nothing is downloaded.
-
-`on_event` starts the job; the provider framework then calls `is_complete` every 30 s until it
-returns IsComplete (it raises when the build failed, stopped or ran past its deadline, which fails
-the CloudFormation resource and rolls the stack back). Deleting the resource keeps the image and
-the model: live endpoints and rollbacks still need them.
+CodeBuild refuses StartBuild with AccountLimitExceededException while the account's concurrent-build
+quota is used up (0 or 1 on many new accounts); `is_complete` then retries with exponential backoff
+for START_RETRY_MINUTES. Deleting a resource keeps what it built: live endpoints and rollbacks need it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -25,21 +31,59 @@ from typing import Any
 import boto3
 from botocore.exceptions import ClientError
 
+try:  # package import (tools, tests)
+    from . import image_retention, post_deploy_check, wait_signal
+except ImportError:  # the Lambda asset's root
+    import image_retention  # type: ignore[no-redef]
+    import post_deploy_check  # type: ignore[no-redef]
+    import wait_signal  # type: ignore[no-redef]
+
 LOG = logging.getLogger()
 LOG.setLevel(logging.INFO)
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 FAILED_STATES = frozenset({"FAILED", "FAULT", "STOPPED", "TIMED_OUT"})
-# Queue time and provisioning come on top of the build's own timeout.
-DEADLINE_GRACE = timedelta(minutes=15)
+# CodeBuild does not support local caching on BUILD_GENERAL1_2XLARGE (CodeBuild User Guide, "Local
+# caching"): such builds run with the cache switched off.
+NO_LOCAL_CACHE_COMPUTE = frozenset({"BUILD_GENERAL1_2XLARGE"})
+RETRY_BASE_S, RETRY_MAX_GAP_S = 30, 300
+RECENT_BUILDS = 25  # how far back a retried start looks for a build it may already have started
 
 
 class BuildFailedError(RuntimeError):
-    """The CodeBuild build did not succeed; the message says why and where its logs are."""
+    """The CodeBuild build did not succeed (or could not start); the message says why and where to look."""
 
 
-def _clients() -> dict[str, Any]:
-    return {name: boto3.client(name) for name in ("codebuild", "ecr", "s3")}
+class Clients:
+    """boto3 clients by service name, created on first use (tests pass a dict of stubbed ones)."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._clients:
+            self._clients[name] = boto3.client(name)
+        return self._clients[name]
+
+
+def _setting(name: str) -> int:
+    """A limit the stack passes as a Lambda environment variable (values from stacks/config.py)."""
+    try:
+        return int(os.environ[name])
+    except KeyError:
+        raise RuntimeError(f"environment variable {name} is not set (the stack sets it)") from None
+
+
+def poll_seconds() -> int:
+    return _setting("POLL_SECONDS")
+
+
+def start_retry() -> timedelta:
+    return timedelta(minutes=_setting("START_RETRY_MINUTES"))
+
+
+def deadline_grace() -> timedelta:
+    return timedelta(minutes=_setting("DEADLINE_GRACE_MINUTES"))
 
 
 def _env(pairs: dict[str, str]) -> list[dict[str, str]]:
@@ -55,9 +99,17 @@ def _model_uri(props: dict[str, Any]) -> str:
 
 
 def _physical_id(props: dict[str, Any]) -> str:
-    if props["Kind"] == "Image":
+    kind = props["Kind"]
+    if kind == "Image":
         return f"{props['RepositoryUri']}:{props['ImageTag']}"
-    return f"{_model_uri(props)}{props['File']}"
+    if kind == "Model":
+        return f"{_model_uri(props)}{props['File']}"
+    if kind == "PostDeployCheck":
+        return f"post-deploy-check:{props['EndpointName']}"
+    return f"deployed-image:{props.get('EndpointName', '')}"
+
+
+# --- what exists already -----------------------------------------------------------------------------
 
 
 def existing_image_digest(ecr: Any, props: dict[str, Any]) -> str | None:
@@ -75,74 +127,201 @@ def existing_image_digest(ecr: Any, props: dict[str, Any]) -> str | None:
 
 
 def staged_model_present(s3: Any, props: dict[str, Any]) -> bool:
-    """True when the GGUF is already in the bucket with the pinned sha256 and size."""
+    """True when the GGUF is already in the bucket with the pinned sha256 and size.
+
+    Without an unconditional s3:ListBucket, S3 answers HeadObject on a missing key with 403, not 404
+    (Amazon S3 API Reference, HeadObject). The role's ListBucket is limited to the models/ prefix, so
+    a 403 is settled with a prefix listing: not listed means absent; listed means a real denial.
+    """
+    bucket, key = props["Bucket"], f"{props['Prefix']}{props['File']}"
     try:
-        head = s3.head_object(Bucket=props["Bucket"], Key=f"{props['Prefix']}{props['File']}")
+        head = s3.head_object(Bucket=bucket, Key=key)
     except ClientError as error:
-        if error.response["Error"]["Code"] in {"404", "NoSuchKey", "NotFound"}:
+        code = error.response["Error"]["Code"]
+        if code in {"404", "NoSuchKey", "NotFound"}:
             return False
-        raise
+        if code not in {"403", "AccessDenied", "Forbidden"}:
+            raise
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+        if not any(item["Key"] == key for item in listed.get("Contents", [])):
+            return False
+        raise BuildFailedError(
+            f"s3://{bucket}/{key} exists, but HeadObject on it is denied (403); the handler role needs "
+            "s3:GetObject on the models/ prefix"
+        ) from error
     return head.get("Metadata", {}).get("sha256") == props["Sha256"] and int(head["ContentLength"]) == int(
         props["SizeBytes"]
     )
 
 
-def start_job(clients: dict[str, Any], props: dict[str, Any]) -> dict[str, Any]:
-    """Start the build unless its result already exists; returns the provider's response Data."""
-    codebuild = clients["codebuild"]
-    common = {
+def pinned_image(ssm: Any, parameter: str) -> str | None:
+    """The image an earlier deploy pinned with `-c image_uri`, from the stack's SSM record, or None."""
+    try:
+        value = ssm.get_parameter(Name=parameter)["Parameter"]["Value"]
+    except ClientError as error:
+        if error.response["Error"]["Code"] == "ParameterNotFound":
+            return None
+        raise
+    try:
+        record = json.loads(value)
+    except ValueError:
+        LOG.warning("SSM parameter %s is not a deploy record: %r", parameter, value[:200])
+        return None
+    if record.get("source") == "pinned" and image_retention.IMAGE_URI_RE.match(record.get("image_uri", "")):
+        return record["image_uri"]
+    return None
+
+
+# --- starting builds ---------------------------------------------------------------------------------
+
+
+def build_request(props: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """The StartBuild arguments for a request (the same on every retry)."""
+    request: dict[str, Any] = {
         "projectName": props["ProjectName"],
         "timeoutInMinutesOverride": int(props["TimeoutMinutes"]),
+        "queuedTimeoutInMinutesOverride": int(props["QueuedTimeoutMinutes"]),
+        # Explicit, so a build with a source override never looks for a buildspec.yml in the source.
+        "buildspecOverride": props["Buildspec"],
     }
     if props["Kind"] == "Image":
-        digest = existing_image_digest(clients["ecr"], props)
-        if digest:
-            LOG.info(
-                "image %s:%s exists (%s); not rebuilding", props["RepositoryName"], props["ImageTag"], digest
-            )
-            return {"BuildId": "", "ImageDigest": digest, "ImageUri": _image_uri(props, digest)}
-        build = codebuild.start_build(
-            **common,
-            sourceTypeOverride="S3",
-            sourceLocationOverride=f"{props['SourceBucket']}/{props['SourceKey']}",
-            computeTypeOverride=props["ComputeType"],
-            environmentVariablesOverride=_env(
-                {
-                    "REPOSITORY_URI": props["RepositoryUri"],
-                    "IMAGE_TAG": props["ImageTag"],
-                    "VARIANT": props["Variant"],
-                    "EXTRA_BUILD_ARGS": props.get("BuildArgs", ""),
-                }
-            ),
-        )["build"]
+        variables = {
+            "REPOSITORY_URI": props["RepositoryUri"],
+            "IMAGE_TAG": props["ImageTag"],
+            "VARIANT": props["Variant"],
+            "EXTRA_BUILD_ARGS": props.get("BuildArgs", ""),
+            "WAIT_HANDLE_URL": props["WaitHandle"],
+            "DEPLOY_REQUEST_ID": request_id,
+        }
+        request |= {
+            "sourceTypeOverride": "S3",
+            "sourceLocationOverride": f"{props['SourceBucket']}/{props['SourceKey']}",
+            "computeTypeOverride": props["ComputeType"],
+        }
+        if props["ComputeType"] in NO_LOCAL_CACHE_COMPUTE:
+            request["cacheOverride"] = {"type": "NO_CACHE"}
     elif props["Kind"] == "Model":
-        if staged_model_present(clients["s3"], props):
-            LOG.info("model %s%s already staged; not downloading", _model_uri(props), props["File"])
-            return {"BuildId": "", "ModelS3Uri": _model_uri(props)}
-        build = codebuild.start_build(
-            **common,
-            environmentVariablesOverride=_env(
-                {
-                    "ARTIFACTS_BUCKET": props["Bucket"],
-                    "MODEL_PREFIX": props["Prefix"],
-                    "MODEL_REPOSITORY": props["Repository"],
-                    "MODEL_REVISION": props["Revision"],
-                    "MODEL_FILE": props["File"],
-                    "MODEL_SIZE_BYTES": props["SizeBytes"],
-                    "MODEL_SHA256": props["Sha256"],
-                }
-            ),
-        )["build"]
+        variables = {
+            "ARTIFACTS_BUCKET": props["Bucket"],
+            "MODEL_PREFIX": props["Prefix"],
+            "MODEL_REPOSITORY": props["Repository"],
+            "MODEL_REVISION": props["Revision"],
+            "MODEL_FILE": props["File"],
+            "MODEL_SIZE_BYTES": props["SizeBytes"],
+            "MODEL_SHA256": props["Sha256"],
+            "DEPLOY_REQUEST_ID": request_id,
+        }
     else:
-        raise ValueError(f"unknown job kind {props['Kind']!r}")
+        raise ValueError(f"{props['Kind']!r} jobs have no build")
+    request["environmentVariablesOverride"] = _env(variables)
+    return request
+
+
+def try_start(codebuild: Any, request: dict[str, Any]) -> dict[str, Any] | None:
+    """StartBuild; None when CodeBuild refuses it for the account's concurrent-build quota."""
+    try:
+        build = codebuild.start_build(**request)["build"]
+    except ClientError as error:
+        if error.response["Error"]["Code"] != "AccountLimitExceededException":
+            raise
+        LOG.warning("CodeBuild refused the build for now: %s", error.response["Error"].get("Message", ""))
+        return None
     LOG.info("started build %s", build["id"])
-    return {"BuildId": build["id"]}
+    return build
 
 
-def check_job(
-    clients: dict[str, Any], props: dict[str, Any], build_id: str, now: datetime | None = None
+def retry_due(elapsed_s: float, poll_s: float) -> bool:
+    """Whether a start retry is due in the poll that ends at `elapsed_s`: retries at 30, 90, 210, 450,
+    750, … s after the first refusal (the gap doubles up to 5 min). The poll interval is fixed, so the
+    schedule needs no state."""
+    offset, gap = 0.0, float(RETRY_BASE_S)
+    while offset <= elapsed_s:
+        offset += gap
+        if elapsed_s - poll_s < offset <= elapsed_s:
+            return True
+        gap = min(gap * 2, RETRY_MAX_GAP_S)
+    return False
+
+
+def find_started_build(codebuild: Any, project: str, request_id: str) -> dict[str, Any] | None:
+    """A build of `project` that a retry for this CloudFormation request already started."""
+    ids = codebuild.list_builds_for_project(projectName=project, sortOrder="DESCENDING").get("ids", [])
+    if not ids:
+        return None
+    for build in codebuild.batch_get_builds(ids=ids[:RECENT_BUILDS]).get("builds", []):
+        variables = build.get("environment", {}).get("environmentVariables", [])
+        if any(v["name"] == "DEPLOY_REQUEST_ID" and v.get("value") == request_id for v in variables):
+            return build
+    return None
+
+
+def _pending(now: datetime) -> dict[str, Any]:
+    return {"BuildId": "", "Pending": "true", "RequestedAt": now.isoformat()}
+
+
+def resume_pending(
+    clients: Any, event: dict[str, Any], data: dict[str, Any], now: datetime
+) -> dict[str, Any] | None:
+    """The build a refused start eventually got (found or started now), or None while still waiting."""
+    props, codebuild = event["ResourceProperties"], clients["codebuild"]
+    build = find_started_build(codebuild, props["ProjectName"], event["RequestId"])
+    if build is not None:
+        return build
+    elapsed = now - datetime.fromisoformat(data["RequestedAt"])
+    if retry_due(elapsed.total_seconds(), poll_seconds()):
+        build = try_start(codebuild, build_request(props, event["RequestId"]))
+        if build is not None:
+            return build
+    if elapsed > start_retry():
+        raise BuildFailedError(
+            f"CodeBuild refused to start {props['ProjectName']} for {elapsed} "
+            "(AccountLimitExceededException: the account's concurrent-build quota for this compute type "
+            "is used up or 0). Request more 'Concurrently running builds' in Service Quotas (run "
+            "`preflight` to see them), then deploy again"
+        )
+    return None
+
+
+# --- the jobs ----------------------------------------------------------------------------------------
+
+
+def start_model(clients: Any, event: dict[str, Any], now: datetime) -> dict[str, Any]:
+    props = event["ResourceProperties"]
+    if staged_model_present(clients["s3"], props):
+        LOG.info("model %s%s already staged; not downloading", _model_uri(props), props["File"])
+        return {"BuildId": "", "ModelS3Uri": _model_uri(props)}
+    build = try_start(clients["codebuild"], build_request(props, event["RequestId"]))
+    return {"BuildId": build["id"]} if build else _pending(now)
+
+
+def start_image(clients: Any, event: dict[str, Any], now: datetime) -> dict[str, Any]:
+    props = event["ResourceProperties"]
+    handle = props["WaitHandle"]
+    if props.get("ImageSource", "auto") == "auto":
+        pinned = pinned_image(clients["ssm"], props["DeployedImageParameter"])
+        if pinned:
+            LOG.info(
+                "keeping %s, pinned by an earlier -c image_uri deploy (image_source=build rebuilds)", pinned
+            )
+            wait_signal.send_signal(handle, "SUCCESS", "kept the image pinned by the last deploy", pinned)
+            return {"BuildId": "", "Source": "pinned"}
+    digest = existing_image_digest(clients["ecr"], props)
+    if digest:
+        LOG.info(
+            "image %s:%s exists (%s); not rebuilding", props["RepositoryName"], props["ImageTag"], digest
+        )
+        wait_signal.send_signal(
+            handle, "SUCCESS", f"tag {props['ImageTag']} exists", _image_uri(props, digest)
+        )
+        return {"BuildId": "", "Source": "build"}
+    build = try_start(clients["codebuild"], build_request(props, event["RequestId"]))
+    return {"BuildId": build["id"], "Source": "build"} if build else {**_pending(now), "Source": "build"}
+
+
+def check_build(
+    clients: Any, props: dict[str, Any], build_id: str, now: datetime | None = None
 ) -> dict[str, Any]:
-    """Poll one build: IsComplete False while it runs, the outputs when it succeeded, raise otherwise."""
+    """Poll a staging build: not complete while it runs, its outputs once it succeeded, raise otherwise."""
     codebuild = clients["codebuild"]
     builds = codebuild.batch_get_builds(ids=[build_id]).get("builds", [])
     if not builds:
@@ -152,12 +331,12 @@ def check_job(
     logs = build.get("logs", {}).get("deepLink", "(no logs link)")
     if status == "IN_PROGRESS":
         now = now or datetime.now(UTC)
-        deadline = build["startTime"] + timedelta(minutes=int(props["TimeoutMinutes"])) + DEADLINE_GRACE
-        if now > deadline:
+        budget = int(props["QueuedTimeoutMinutes"]) + int(props["TimeoutMinutes"])
+        if now > build["startTime"] + timedelta(minutes=budget) + deadline_grace():
             codebuild.stop_build(id=build_id)
             raise BuildFailedError(
-                f"CodeBuild build {build_id} still running after {props['TimeoutMinutes']} min "
-                f"plus {DEADLINE_GRACE}; stopped it. Logs: {logs}"
+                f"CodeBuild build {build_id} still running after {budget} min (queue + timeout) plus "
+                f"{deadline_grace()}; stopped it. Logs: {logs}"
             )
         LOG.info("build %s in phase %s", build_id, build.get("currentPhase"))
         return {"IsComplete": False}
@@ -171,15 +350,6 @@ def check_job(
         raise BuildFailedError(f"CodeBuild build {build_id} ended {status}{detail}. Logs: {logs}")
     if status != "SUCCEEDED":
         raise BuildFailedError(f"CodeBuild build {build_id} has unexpected status {status}. Logs: {logs}")
-    exported = {v["name"]: v.get("value", "") for v in build.get("exportedEnvironmentVariables", [])}
-    if props["Kind"] == "Image":
-        digest = exported.get("IMAGE_DIGEST", "")
-        if not DIGEST_RE.match(digest):
-            raise BuildFailedError(
-                f"CodeBuild build {build_id} succeeded but exported no image digest "
-                f"(got {digest!r}). Logs: {logs}"
-            )
-        return {"IsComplete": True, "Data": {"ImageDigest": digest, "ImageUri": _image_uri(props, digest)}}
     if not staged_model_present(clients["s3"], props):
         raise BuildFailedError(
             f"CodeBuild build {build_id} succeeded but {_model_uri(props)}{props['File']} is missing or has "
@@ -188,27 +358,92 @@ def check_job(
     return {"IsComplete": True, "Data": {"ModelS3Uri": _model_uri(props)}}
 
 
+def parse_wait_data(text: str) -> str:
+    """The image URI from a wait condition's `Data` attribute (a JSON object: signal id → data)."""
+    try:
+        signals = json.loads(text)
+    except ValueError:
+        raise BuildFailedError(f"the image wait condition returned no JSON: {text[:200]!r}") from None
+    value = signals.get(wait_signal.SIGNAL_ID) if isinstance(signals, dict) else None
+    if not isinstance(value, str) or not image_retention.IMAGE_URI_RE.match(value):
+        raise BuildFailedError(f"the image wait condition carried no image by digest: {text[:300]!r}")
+    return value
+
+
+def deployed_image(clients: Any, event: dict[str, Any]) -> dict[str, Any]:
+    """Resolve, check and protect the image the endpoint will run."""
+    props = event["ResourceProperties"]
+    uri = props.get("ImageUri") or parse_wait_data(props["WaitData"])
+    image = image_retention.parse_image_uri(uri)
+    # The provider runs in ImageStack's account and region: its function ARN says which.
+    _, _, _, region, account, *_ = props["ServiceToken"].split(":")
+    if (image.account, image.region, image.repository) != (account, region, props["RepositoryName"]):
+        LOG.info("%s is not in ImageStack's repository; its lifecycle policy is not this app's", uri)
+        return {"ImageUri": uri, "Protected": "false"}
+    try:
+        added = image_retention.protect_image(clients["ecr"], image)
+    except image_retention.ImageNotFoundError as error:
+        raise BuildFailedError(f"cannot deploy {uri}: {error}") from error
+    LOG.info("%s %s tag %s", uri, "got" if added else "already had", image.keep_tag)
+    return {"ImageUri": uri, "Protected": "true"}
+
+
+# --- provider framework entry points -----------------------------------------------------------------
+
+
 def on_event(
-    event: dict[str, Any], _context: Any = None, clients: dict[str, Any] | None = None
+    event: dict[str, Any], _context: Any = None, clients: Any = None, now: datetime | None = None
 ) -> dict[str, Any]:
-    """Provider framework onEvent: Create/Update start the job; Delete keeps what was built."""
+    """Create/Update start (or settle) the job; Delete keeps what was built."""
     request = event["RequestType"]
     props = event["ResourceProperties"]
-    LOG.info("%s %s", request, {k: v for k, v in props.items() if k != "ServiceToken"})
+    # Not logged: the buildspec (long) and the wait handle (a presigned URL that can signal the stack).
+    LOG.info(
+        "%s %s",
+        request,
+        {k: v for k, v in props.items() if k not in {"ServiceToken", "Buildspec", "WaitHandle"}},
+    )
     if request == "Delete":
         return {"PhysicalResourceId": event["PhysicalResourceId"]}
-    data = start_job(clients or _clients(), props)
+    clients = clients if clients is not None else Clients()
+    now = now or datetime.now(UTC)
+    kind = props["Kind"]
+    if kind == "Model":
+        data = start_model(clients, event, now)
+    elif kind == "Image":
+        data = start_image(clients, event, now)
+    elif kind == "DeployedImage":
+        data = deployed_image(clients, event)
+    elif kind == "PostDeployCheck":
+        data = post_deploy_check.start(clients, event, now)
+    else:
+        raise ValueError(f"unknown job kind {kind!r}")
     return {"PhysicalResourceId": _physical_id(props), "Data": data}
 
 
 def is_complete(
-    event: dict[str, Any], _context: Any = None, clients: dict[str, Any] | None = None
+    event: dict[str, Any], _context: Any = None, clients: Any = None, now: datetime | None = None
 ) -> dict[str, Any]:
-    """Provider framework isComplete: done when the build succeeded (or nothing had to be built)."""
+    """Done when the job's result exists; raises (and so fails the resource) when it cannot."""
     if event["RequestType"] == "Delete":
         return {"IsComplete": True}
-    data = event.get("Data") or {}
+    props = event["ResourceProperties"]
+    data = dict(event.get("Data") or {})
+    clients = clients if clients is not None else Clients()
+    now = now or datetime.now(UTC)
+    kind = props["Kind"]
+    if kind == "PostDeployCheck":
+        return post_deploy_check.check(clients, props, data, now)
+    if kind == "DeployedImage":
+        return {"IsComplete": True, "Data": data}
     build_id = data.get("BuildId", "")
+    if data.get("Pending"):
+        build = resume_pending(clients, event, data, now)
+        if build is None:
+            return {"IsComplete": False}
+        build_id = build["id"]
+    if kind == "Image":  # started (or settled): the wait condition waits for the image itself
+        return {"IsComplete": True, "Data": {"BuildId": build_id, "Source": data.get("Source", "build")}}
     if not build_id:
         return {"IsComplete": True, "Data": {k: v for k, v in data.items() if k != "BuildId"}}
-    return check_job(clients or _clients(), event["ResourceProperties"], build_id)
+    return check_build(clients, props, build_id, now)

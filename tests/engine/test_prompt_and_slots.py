@@ -34,7 +34,13 @@ def piece(token: int) -> bytes:
 
 def builder(template_text: str, tokenize=chars) -> PromptBuilder:
     template = ChatTemplate(source="test", text=template_text, bos_token="", eos_token="")
-    return PromptBuilder(PromptFrame.from_template(template), tokenize, bos=None, add_bos=False)
+    return PromptBuilder(
+        PromptFrame.from_template(template),
+        tokenize,
+        bos=None,
+        add_bos=False,
+        caller_tokens=lambda text: tokenize(text, False),
+    )
 
 
 def test_payload_puts_evidence_first_and_keeps_structure():

@@ -126,3 +126,25 @@ def test_revision_without_app_shows_every_stack_added(tmp_path, capsys):
     _write_app(tmp_path, "ml.c7i.xlarge")
     assert cli.main(["--repo", str(tmp_path), "--base", "HEAD"]) == cli.EXIT_OK
     assert "stack added: CpuStack" in capsys.readouterr().out
+
+
+def test_fail_on_warning_gates_a_change_sagemaker_would_refuse(repo, tmp_path, capsys):
+    """The deployed baseline registers the variant with autoscaling; the head changes its type."""
+    baseline = tmp_path / "deployed"
+    assert cli.main(["--repo", str(repo), "--save-baseline", str(baseline)]) == cli.EXIT_OK
+    template = json.loads((baseline / "CpuStack.template.json").read_text())
+    template["Resources"]["Target"] = {
+        "Type": "AWS::ApplicationAutoScaling::ScalableTarget",
+        "Properties": {
+            "ResourceId": "endpoint/decider-cpu/variant/AllTraffic",
+            "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+        },
+    }
+    (baseline / "CpuStack.template.json").write_text(json.dumps(template))
+    _write_app(repo, "ml.c7i.8xlarge")
+    assert cli.main(["--repo", str(repo), "--baseline", str(baseline)]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "WARNING CpuStack/Config [autoscaled_instance_type_change]" in out
+    assert (
+        cli.main(["--repo", str(repo), "--baseline", str(baseline), "--fail-on-warning"]) == cli.EXIT_CHANGED
+    )

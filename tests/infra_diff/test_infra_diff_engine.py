@@ -193,3 +193,69 @@ def test_rendered_report_names_replacements_and_iam():
     assert "REPLACE CpuStack/Model" in text and "IAM modify CpuStack/RolePolicy" in text
     assert IMAGE_A in text and IMAGE_B in text
     json.dumps(report.to_json())
+
+
+def _with_autoscaling(template: dict, endpoint_name: str = "decider-cpu") -> dict:
+    template = copy.deepcopy(template)
+    template["Resources"]["ScalableTarget"] = {
+        "Type": "AWS::ApplicationAutoScaling::ScalableTarget",
+        "Properties": {
+            "ServiceNamespace": "sagemaker",
+            "ResourceId": f"endpoint/{endpoint_name}/variant/AllTraffic",
+            "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+            "MinCapacity": 2,
+            "MaxCapacity": 4,
+        },
+    }
+    return template
+
+
+def test_instance_type_change_on_an_autoscaled_variant_warns_with_the_three_steps():
+    old = _with_autoscaling(_stack())
+    new = _with_autoscaling(_stack(instance_type="ml.c7i.8xlarge"))
+    report = diff_templates({"CpuStack": old}, {"CpuStack": new})
+    [warning] = report.warnings
+    assert (warning.stack, warning.logical_id, warning.code) == (
+        "CpuStack",
+        "Config",
+        "autoscaled_instance_type_change",
+    )
+    assert "decider-cpu/AllTraffic (ml.c7i.xlarge → ml.c7i.8xlarge)" in warning.message
+    assert "-c cpu.autoscaling=false" in warning.message and "3) -c cpu.autoscaling=true" in warning.message
+    assert report.to_json()["warnings"][0]["code"] == "autoscaled_instance_type_change"
+    console = Console(record=True, width=400)
+    show_report(console, report, title="t")
+    text = console.export_text()
+    assert "WARNING CpuStack/Config [autoscaled_instance_type_change]" in text and "1 warning(s)" in text
+
+
+def test_dropping_autoscaling_in_the_same_deploy_still_warns():
+    """CloudFormation deletes the scalable target only after the endpoint update."""
+    report = diff_templates({"S": _with_autoscaling(_stack())}, {"S": _stack(instance_type="ml.c7i.8xlarge")})
+    assert [w.code for w in report.warnings] == ["autoscaled_instance_type_change"]
+
+
+def test_instance_pools_count_as_instance_types():
+    old = _with_autoscaling(_stack())
+    new = _with_autoscaling(_stack())
+    variant = new["Resources"]["Config"]["Properties"]["ProductionVariants"][0]
+    del variant["InstanceType"]
+    variant["InstancePools"] = [
+        {"InstanceType": "ml.c7i.xlarge", "Priority": 1},
+        {"InstanceType": "ml.c6i.xlarge", "Priority": 2},
+    ]
+    [warning] = diff_templates({"S": old}, {"S": new}).warnings
+    assert "(ml.c7i.xlarge → ml.c7i.xlarge, ml.c6i.xlarge)" in warning.message
+
+
+def test_the_three_steps_themselves_do_not_warn():
+    step_1 = _stack()  # autoscaling off, same instance type
+    step_2 = _stack(instance_type="ml.c7i.8xlarge")
+    step_3 = _with_autoscaling(step_2)
+    assert not diff_templates({"S": _with_autoscaling(_stack())}, {"S": step_1}).warnings
+    assert not diff_templates({"S": step_1}, {"S": step_2}).warnings
+    assert not diff_templates({"S": step_2}, {"S": step_3}).warnings
+    # and a new image on an autoscaled variant is allowed (SageMaker permits model changes)
+    assert not diff_templates(
+        {"S": step_3}, {"S": _with_autoscaling(_stack(image=IMAGE_B, instance_type="ml.c7i.8xlarge"))}
+    ).warnings

@@ -51,3 +51,27 @@ def test_pipeline_uses_existing_subcommands_and_flags():
         if "bin/infra-diff " in line:
             used = [word for word in line.split() if word.startswith("-") and not word.startswith("->")]
             assert set(used) <= infra_flags | {">", "&&"}, line
+
+
+def test_preflight_runs_before_any_deploy():
+    text = "\n".join(_commands())
+    assert text.index("bin/preflight") < text.index("npx cdk deploy")
+
+
+def test_ci_images_get_the_build_arguments_of_the_config():
+    """The CUDA image is compiled for the GPUs the config allows, as the deploy-time build does."""
+    import subprocess
+
+    from stacks.config import load_config
+    from stacks.synth import cdk_json_context
+
+    block = next(c for c in _commands() if "build_args()" in c)
+    function = block[: block.index("build_image()")]
+    repo = PIPELINE.parents[1]
+    result = subprocess.run(
+        ["bash", "-c", f"{function}\nbuild_args gpu"], capture_output=True, text=True, cwd=repo, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    expected = load_config(cdk_json_context()).gpu.docker_build_args
+    assert result.stdout.split() == [f"--build-arg={k}={v}" for k, v in expected.items()]
+    assert "DOCKER_BUILDKIT=1 docker build" in block

@@ -74,3 +74,64 @@ def test_prune_never_deletes_a_config_another_endpoint_runs(aws, capsys):
     configs, models = _names(aws)
     assert config_b in configs and _model_of(aws, config_b) in models
     assert "in use by endpoint decider-cpu-shadow" in capsys.readouterr().out
+
+
+def _stack_resources(aws, suffix: str, image: str) -> tuple[str, str]:
+    """A model and config as CloudFormation names and the stacks tag them (retained on replacement)."""
+    from promote_constants import ROLE
+
+    model, config = f"DeciderModel63255C53-{suffix}", f"DeciderConfig6F0D9096-{suffix}"
+    tags = [
+        {"Key": "promote:endpoint", "Value": "decider-cpu"},
+        {"Key": "aws:cloudformation:stack-name", "Value": "CpuStack"},
+    ]
+    aws.sagemaker.create_model(
+        ModelName=model, ExecutionRoleArn=ROLE, PrimaryContainer={"Image": image}, Tags=tags
+    )
+    aws.sagemaker.create_endpoint_config(
+        EndpointConfigName=config,
+        ProductionVariants=[
+            {
+                "VariantName": "AllTraffic",
+                "ModelName": model,
+                "InitialInstanceCount": 1,
+                "InstanceType": "ml.c5.xlarge",
+            }
+        ],
+        Tags=tags,
+    )
+    return model, config
+
+
+def test_prune_deletes_what_a_stack_retained_and_keeps_what_it_runs(aws, capsys):
+    _, old_config = _stack_resources(aws, "OLD1", IMAGE_A)
+    live_model, live_config = _stack_resources(aws, "LIVE2", _image("b"))
+    aws.sagemaker.create_endpoint(
+        EndpointName="decider-cpu",
+        EndpointConfigName=live_config,
+        Tags=[{"Key": "aws:cloudformation:stack-name", "Value": "CpuStack"}],
+    )
+    aws.sagemaker.create_model(
+        ModelName="someone-elses",
+        ExecutionRoleArn="arn:aws:iam::123456789012:role/x",
+        PrimaryContainer={"Image": IMAGE_A},
+    )
+    assert cli.main(["prune", "--endpoint", "decider-cpu", "--keep", "0"]) == EXIT_OK
+    configs, models = _names(aws)
+    assert configs == {live_config}
+    assert models == {live_model, "someone-elses"}  # untagged resources are never touched
+    assert old_config in capsys.readouterr().out
+
+
+def test_prune_after_the_stack_was_deleted_removes_what_it_left(aws, capsys):
+    _, kept_config = _stack_resources(aws, "NEWER", _image("b"))
+    _stack_resources(aws, "OLDER", IMAGE_A)
+    # a retained config another endpoint still runs is never deleted
+    _, shared_config = _stack_resources(aws, "SHARED", _image("c"))
+    aws.sagemaker.create_endpoint(EndpointName="decider-cpu-shadow", EndpointConfigName=shared_config)
+    assert cli.main(["prune", "--endpoint", "decider-cpu", "--keep", "1", "--dry-run"]) == EXIT_OK
+    assert "does not exist" in capsys.readouterr().out
+    assert cli.main(["prune", "--endpoint", "decider-cpu", "--keep", "0"]) == EXIT_OK
+    configs, _ = _names(aws)
+    assert configs == {shared_config}
+    assert kept_config not in configs

@@ -27,6 +27,9 @@ class FakeModelInfo:
     n_ctx: int = 2048
     chat_template_source: str = "gguf"
     max_options: int = 64
+    markers: dict[str, list[str]] = field(
+        default_factory=lambda: {"control": ["<|im_end|>"], "template": ["<think>"], "setting": []}
+    )
 
     def model_dump(self, mode: str = "python") -> dict[str, Any]:
         return dict(vars(self))

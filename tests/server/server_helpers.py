@@ -35,9 +35,23 @@ DECISION: dict[str, Any] = {
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "seed": 7}
 
 
-def assert_error_body(body: Any, code: str | None = None) -> None:
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    assert set(body["error"]) == {"type", "code", "message", "param"}, body
-    assert isinstance(body["error"]["code"], str) and body["error"]["message"], body
+def assert_error_body(body: Any, code: str | None = None, *, status: int | None = None) -> None:
+    """The one error body: OpenAI-style `error` plus FastAPI-style `detail` saying the same thing."""
+    assert isinstance(body, dict) and set(body) == {"error", "detail"}, body
+    error = body["error"]
+    assert set(error) == {"type", "code", "message", "param", "retryable"}, body
+    assert isinstance(error["code"], str) and error["message"], body
+    assert isinstance(error["retryable"], bool), body
+    detail = body["detail"]
+    if isinstance(detail, list):  # validation error (422)
+        assert status in (None, 422), body
+        (entry,) = detail
+        assert entry["loc"][0] == "body" and entry["msg"] == error["message"], body
+        assert entry["type"] == error["code"] and not error["retryable"], body
+        param = ".".join(str(part) for part in entry["loc"][1:])
+        assert param == (error["param"] or ""), body
+    else:
+        assert status != 422, body
+        assert detail == {"error_type": error["code"], "message": error["message"]}, body
     if code is not None:
-        assert body["error"]["code"] == code, body
+        assert error["code"] == code, body

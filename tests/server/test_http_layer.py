@@ -11,11 +11,13 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from decider.server.app import create_app
 from decider.settings import Settings
+from openai.types import Decision
 from server_fakes import FakeEngine
 from server_helpers import assert_error_body
 from starlette.testclient import TestClient
@@ -29,6 +31,21 @@ DECISION = {
     },
 }
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+OPENAI_DECISION = {
+    "model": "gpt-6-luna",
+    "input": [{"role": "user", "content": "I was charged twice for one order."}],
+    "questions": [
+        {"type": "predicate", "name": "billing", "instructions": "Is this about billing?"},
+        {"type": "choice", "instructions": "Tone?", "choices": [{"value": True}, {"value": "true"}]},
+        {
+            "type": "score",
+            "name": "anger",
+            "instructions": "How angry?",
+            "levels": [{"label": "calm"}, {"label": "mad"}],
+        },
+    ],
+}
+API_KEY = "test-key-0123456789abcdef"
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -58,7 +75,9 @@ def client(fake_engine: FakeEngine) -> Iterator[TestClient]:
 def _error(response: Any, status: int, code: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     body = response.json()
-    assert_error_body(body, code)
+    assert_error_body(body, code, status=status)
+    retryable = body["error"]["retryable"]
+    assert response.headers["x-should-retry"] == ("true" if retryable else "false")
     return body["error"]
 
 
@@ -107,8 +126,10 @@ def test_failed_load_is_reported_once_and_never_healthy() -> None:
     ("attributes", "body", "route"),
     [
         (None, DECISION, "/v1/systemone"),
+        (None, OPENAI_DECISION, "/v1/decisions"),
         (None, CHAT, "/v1/chat/completions"),
         ("route=/v1/systemone", DECISION, "/v1/systemone"),
+        ("route=/v1/decisions", OPENAI_DECISION, "/v1/decisions"),
         ("route=/v1/chat/completions", CHAT, "/v1/chat/completions"),
         ("trace=abc, route=/v1/chat/completions/", CHAT, "/v1/chat/completions"),
         ("trace=abc", DECISION, "/v1/systemone"),
@@ -126,6 +147,8 @@ def test_invocations_dispatch(client: TestClient, attributes: str | None, body: 
     assert returned["route"] == route
     if route == "/v1/systemone":
         assert set(response.json()["answers"]) == set(DECISION["questions"])
+    elif route == "/v1/decisions":
+        assert Decision.model_validate(response.json()).answers[1].choice is True
     else:
         assert response.json()["object"] == "chat.completion"
 
@@ -299,6 +322,7 @@ def test_models_lists_the_served_model_in_openai_and_jev_shapes(
     assert entry["object"] == "model"
     assert entry["quantization"] == "Q4_1"
     assert entry["sha256"] == fake_engine.model_info.sha256
+    assert entry["markers"] == fake_engine.model_info.markers
     assert body["models"][0]["name"] == fake_engine.model_info.id
 
 
@@ -357,3 +381,120 @@ def test_decision_past_the_deadline_is_504_and_the_engine_is_told_to_stop() -> N
         assert time.monotonic() - started < 2.0
         engine.decide_seconds = 0
         assert client.post("/v1/systemone", json=DECISION).status_code == 200  # the worker is free again
+
+
+def test_decision_past_the_deadline_while_queued_is_retryable_and_at_once_is_not() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(decide_seconds=30, gate=gate)
+    with TestClient(create_app(_settings(deadline_seconds=1.0), loader=lambda _: engine)) as client:
+        _wait_ready(client)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first = pool.submit(client.post, "/v1/systemone", json=DECISION)
+            time.sleep(0.3)  # the first request holds the engine; the second waits for it
+            second = pool.submit(client.post, "/v1/systemone", json=DECISION)
+            ran_out = _error(first.result(), 504, "deadline_exceeded")
+            waited = _error(second.result(), 504, "deadline_exceeded")
+        gate.set()
+    assert ran_out["retryable"] is False  # it had the model from the start: a retry fails again
+    assert waited["retryable"] is True  # it lost its time in the queue
+
+
+# --- OpenAI's /v1/decisions --------------------------------------------------------------------
+
+
+def test_openai_decisions_route_answers_in_question_order(
+    client: TestClient, fake_engine: FakeEngine
+) -> None:
+    body = client.post("/v1/decisions", json=OPENAI_DECISION).json()
+    decision = Decision.model_validate(body)
+    assert [a.type for a in decision.answers] == ["predicate", "choice", "score"]
+    assert [a.name for a in decision.answers] == ["billing", None, "anger"]
+    assert [p.value for p in decision.answers[1].probabilities] == [True, "true"]
+    assert [(p.value, p.label) for p in decision.answers[2].probabilities] == [(0, "calm"), (1, "mad")]
+    assert decision.model == fake_engine.model_info.id
+    assert decision.usage.total_tokens == decision.usage.input_tokens == 7
+
+
+def test_openai_decisions_errors_name_the_openai_field(client: TestClient, fake_engine: FakeEngine) -> None:
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA"}
+    body = {**OPENAI_DECISION, "input": [{"role": "user", "content": [image]}]}
+    error = _error(client.post("/v1/decisions", json=body), 422, "image_not_supported")
+    assert error["param"] == "input.0.content.0"
+    response = client.post("/v1/decisions", json={**OPENAI_DECISION, "questions": [{"type": "predicate"}]})
+    assert response.json()["detail"] == [
+        {
+            "loc": ["body", "questions", 0, "instructions"],
+            "msg": "`instructions` is required.",
+            "type": "missing_field",
+        }
+    ]
+    options = [{"value": f"o{i}"} for i in range(9)]  # the fixture's max_options is 8
+    body = {**OPENAI_DECISION, "questions": [{"type": "choice", "instructions": "?", "choices": options}]}
+    error = _error(client.post("/invocations", json=body), 422, "option_count_unsupported")
+    assert error["param"] == "questions.0.choices"
+    assert fake_engine.calls == []
+
+
+# --- API key -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def keyed_client(fake_engine: FakeEngine) -> Iterator[TestClient]:
+    settings = _settings(api_key=API_KEY)
+    with TestClient(create_app(settings, loader=lambda _: fake_engine)) as test_client:
+        _wait_ready(test_client)
+        yield test_client
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/invocations", DECISION),
+        ("POST", "/v1/systemone", DECISION),
+        ("POST", "/v1/decisions", OPENAI_DECISION),
+        ("POST", "/v1/chat/completions", CHAT),
+        ("GET", "/v1/models", None),
+        ("GET", "/metrics", None),
+        ("GET", "/no/such/route", None),
+    ],
+)
+def test_a_configured_key_is_required_on_every_route_but_ping(
+    keyed_client: TestClient, fake_engine: FakeEngine, method: str, path: str, body: Any
+) -> None:
+    def send(**headers: str) -> Any:
+        return keyed_client.request(method, path, json=body, headers=headers)
+
+    missing = send()
+    error = _error(missing, 401, "missing_api_key")
+    assert error["type"] == "authentication_error" and missing.headers["www-authenticate"].startswith(
+        "Bearer"
+    )
+    assert missing.headers["x-request-id"]
+    _error(send(Authorization=f"Bearer {API_KEY}x"), 401, "invalid_api_key")
+    _error(send(Authorization=f"Basic {API_KEY}"), 401, "invalid_api_key")
+    assert fake_engine.calls == []
+    allowed = send(Authorization=f"bearer {API_KEY}")
+    assert allowed.status_code == (404 if path == "/no/such/route" else 200), allowed.text
+    assert keyed_client.get("/ping").status_code == 200
+
+
+def test_without_a_key_any_authorization_header_is_ignored(client: TestClient) -> None:
+    for header in ("Bearer whatever", "Basic abc", ""):
+        assert (
+            client.post("/v1/systemone", json=DECISION, headers={"Authorization": header}).status_code == 200
+        )
+
+
+def test_the_key_is_never_logged_or_put_into_a_sagemaker_environment(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    settings = _settings(api_key=API_KEY)
+    assert API_KEY not in repr(settings) and API_KEY not in str(settings)
+    with pytest.raises(ValueError, match="outside SageMaker"):
+        settings.to_environment()
+    from decider.cli import describe_settings_error
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as bad:
+        Settings(model_path="/x", api_key="short-secret")
+    assert "short-secret" not in describe_settings_error(bad.value)

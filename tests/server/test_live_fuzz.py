@@ -16,7 +16,7 @@ from tools.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 
-PATHS = ("/invocations", "/v1/systemone", "/v1/chat/completions")
+PATHS = ("/invocations", "/v1/systemone", "/v1/decisions", "/v1/chat/completions")
 json_scalars = (
     st.none()
     | st.booleans()
@@ -81,8 +81,59 @@ chats = st.fixed_dictionaries(
         "n": st.integers(-1, 3) | json_scalars,
     },
 )
+parts = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["input_text", "input_json", "input_image", "output_text", "refusal", "x"])
+        | json_values,
+        "text": json_values,
+        "data": json_values,
+        "refusal": json_values,
+    },
+)
+input_items = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call", "function_call_output", "custom_tool_call", "x"])
+        | json_values,
+        "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]) | json_values,
+        "content": st.text(max_size=20) | st.lists(parts, max_size=3) | json_values,
+        "call_id": st.sampled_from(["c1", "c2"]) | json_scalars,
+        "name": json_values,
+        "arguments": json_values,
+        "output": json_values,
+    },
+)
+choice_entries = st.fixed_dictionaries(
+    {}, optional={"value": st.booleans() | st.text(max_size=6) | json_scalars, "description": json_values}
+)
+openai_questions = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["predicate", "choice", "score", "noul"]) | json_values,
+        "name": json_values,
+        "instructions": st.text(max_size=20) | st.lists(parts, max_size=2) | json_values,
+        "choices": st.lists(choice_entries, max_size=4) | json_values,
+        "levels": st.lists(st.fixed_dictionaries({}, optional={"label": json_values}), max_size=4),
+    },
+)
+openai_decisions = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": json_values,
+        "input": st.text(max_size=30) | st.lists(input_items, max_size=3) | json_values,
+        "questions": st.lists(openai_questions, max_size=3) | json_values,
+        "prompt_cache_key": json_scalars,
+        "safety_identifier": json_scalars,
+    },
+)
 raw_bodies = st.binary(max_size=300) | st.text(max_size=200).map(str.encode)
-bodies = decisions.map(json.dumps).map(str.encode) | chats.map(json.dumps).map(str.encode) | raw_bodies
+bodies = (
+    decisions.map(json.dumps).map(str.encode)
+    | openai_decisions.map(json.dumps).map(str.encode)
+    | chats.map(json.dumps).map(str.encode)
+    | raw_bodies
+)
 content_types = st.sampled_from(
     [None, "application/json", "text/plain", "application/xml", "multipart/form-data", ";;"]
 )
@@ -90,6 +141,7 @@ attributes = st.sampled_from(
     [
         None,
         "route=/v1/systemone",
+        "route=/v1/decisions",
         "route=/v1/chat/completions",
         "route=/v1/embeddings",
         "route=",
@@ -111,7 +163,7 @@ def _short(body: bytes) -> bytes:
 
 
 @settings(
-    max_examples=120,
+    max_examples=160,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
@@ -143,6 +195,8 @@ def test_bad_bodies_never_get_a_5xx(
 def test_server_still_serves_after_fuzzing(live_server: LocalServer) -> None:
     assert live_server.ping() == 200
     assert httpx.post(f"{live_server.base_url}/invocations", json=DECISION, timeout=60).status_code == 200
+    openai_body = {"input": "x", "questions": [{"type": "predicate", "instructions": "?"}]}
+    assert httpx.post(f"{live_server.base_url}/invocations", json=openai_body, timeout=60).status_code == 200
     assert httpx.post(f"{live_server.base_url}/invocations", json=CHAT, timeout=60).status_code == 200
     # A remote server's process and logs belong to whoever started it: `make image-test` checks
     # that the container still runs and logged no traceback.

@@ -22,7 +22,8 @@ def synth(tmp_path_factory: pytest.TempPathFactory) -> Synth:
 
 @pytest.fixture(scope="session")
 def synth_prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Synth:
-    """The CI path: prebuilt image and model for both variants, data capture on, LINEAR on GPU."""
+    """The CI path and the options: prebuilt image (GPU) and model (both), a CPU source build on
+    2XLARGE without autoscaling, data capture, LINEAR routing, instance pools and PREFIX_AWARE on GPU."""
     context = {
         "image_uri": "123456789012.dkr.ecr.eu-west-1.amazonaws.com/decider@sha256:" + "a" * 64,
         "model_s3_uri": "s3://ci-models/qwen/",
@@ -33,5 +34,15 @@ def synth_prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Synth:
         "gpu.autoscaling": "false",
         "cpu.image_uri": "null",  # as `-c cpu.image_uri=null`: the CPU image is still built (mirror)
         "cpu.image_build.build_args.PYTHON_IMAGE": PYTHON_MIRROR,
+        "cpu.image_build.compute_type": "BUILD_GENERAL1_2XLARGE",
+        "cpu.image_source": "build",
+        "cpu.volume_size_gb": "40",
+        "cpu.autoscaling": "false",
+        "cpu.alarms.email": "ops@example.com",
+        # GPU capacity options: fallback pools, their provisioning timeout, prefix-aware routing
+        "gpu.instance_pools": '["ml.g6e.2xlarge", "ml.g5.2xlarge"]',
+        "gpu.provision_timeout_s": "1200",
+        "gpu.routing.strategy": "PREFIX_AWARE",
+        "gpu.routing.prefix_length": "2048",
     }
     return run_synth(tmp_path_factory.mktemp("cdk-prebuilt"), context)

@@ -1,32 +1,89 @@
-"""The deploy-time build handler against stubbed AWS APIs (botocore Stubber; nothing leaves the process)."""
+"""The deploy-time build jobs (Image, Model) against stubbed AWS APIs (botocore Stubber; the wait
+condition handle is a local receiver on 127.0.0.1; nothing leaves the machine)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import boto3
 import pytest
-from botocore.stub import ANY, Stubber
+from botocore.stub import ANY
+from handler_helpers import start_handle, stubbed_clients
 
+from stacks import config
 from stacks.handlers import codebuild_job as job
+from stacks.handlers.wait_signal import SignalError
+from stacks.synth import cdk_json_context
 
 DIGEST = "sha256:" + "ab" * 32
 REPO_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider-images"
-IMAGE_PROPS = {
-    "ServiceToken": "arn:aws:lambda:us-east-1:123456789012:function:provider",
-    "Kind": "Image",
-    "ProjectName": "ImageBuild",
-    "SourceBucket": "cdk-assets",
-    "SourceKey": "abc.zip",
-    "RepositoryName": "decider-images",
-    "RepositoryUri": REPO_URI,
-    "ImageTag": "cpu-abc",
-    "Variant": "cpu",
-    "ComputeType": "BUILD_GENERAL1_LARGE",
-    "TimeoutMinutes": "60",
-}
+PARAMETER = "/decider/decider-cpu/image"
+STARTED = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+REQUEST_ID = "5c1e3f0a-request"
+
+
+def environment(**variables: str) -> dict[str, Any]:
+    return {
+        "type": "LINUX_CONTAINER",
+        "image": "aws/codebuild/standard:7.0",
+        "computeType": "BUILD_GENERAL1_SMALL",
+        "environmentVariables": [{"name": k, "value": v} for k, v in variables.items()],
+    }
+
+
+@pytest.fixture
+def handle():
+    receiver, server = start_handle()
+    yield receiver
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Real boto3 clients with Stubbers: every call must be expected, or the test fails."""
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        # The values ImageStack gives the functions.
+        "POLL_SECONDS": "30",
+        "START_RETRY_MINUTES": str(config.BUILD_START_RETRY_MINUTES),
+        "DEADLINE_GRACE_MINUTES": str(config.BUILD_DEADLINE_GRACE_MINUTES),
+    }.items():
+        monkeypatch.setenv(name, value)
+    clients, stubs = stubbed_clients()
+    yield {"clients": clients, **stubs}
+    for stub in stubs.values():
+        stub.assert_no_pending_responses()
+        stub.deactivate()
+
+
+def image_props(handle_url: str, **overrides: Any) -> dict[str, Any]:
+    return {
+        "ServiceToken": "arn:aws:lambda:us-east-1:123456789012:function:provider",
+        "Kind": "Image",
+        "ProjectName": "ImageBuild",
+        "SourceBucket": "cdk-assets",
+        "SourceKey": "abc.zip",
+        "RepositoryName": "decider-images",
+        "RepositoryUri": REPO_URI,
+        "ImageTag": "cpu-abc",
+        "Variant": "cpu",
+        "ComputeType": "BUILD_GENERAL1_LARGE",
+        "TimeoutMinutes": "60",
+        "QueuedTimeoutMinutes": "60",
+        "BuildArgs": "",
+        "Buildspec": "version: 0.2\nphases: {}\n",
+        "WaitHandle": handle_url,
+        "ImageSource": "auto",
+        "DeployedImageParameter": PARAMETER,
+        **overrides,
+    }
+
+
 MODEL_PROPS = {
     "ServiceToken": "arn:aws:lambda:us-east-1:123456789012:function:provider",
     "Kind": "Model",
@@ -38,37 +95,20 @@ MODEL_PROPS = {
     "File": "model.gguf",
     "SizeBytes": "3013027808",
     "Sha256": "13c16f42" + "0" * 52 + "a983",
-    "TimeoutMinutes": "60",
+    "TimeoutMinutes": "25",
+    "QueuedTimeoutMinutes": "10",
+    "Buildspec": "version: 0.2\nphases: {}\n",
 }
-STARTED = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-
-
-@pytest.fixture
-def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    """Real boto3 clients with Stubbers: every call must be expected, or the test fails."""
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    clients = {name: boto3.client(name) for name in ("codebuild", "ecr", "s3")}
-    stubs = {name: Stubber(client) for name, client in clients.items()}
-    for stub in stubs.values():
-        stub.activate()
-    yield {"clients": clients, **stubs}
-    for stub in stubs.values():
-        stub.assert_no_pending_responses()
-        stub.deactivate()
+MODEL_KEY = MODEL_PROPS["Prefix"] + "model.gguf"
 
 
 def event(request: str, props: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"RequestType": request, "ResourceProperties": props, **extra}
+    return {"RequestType": request, "RequestId": REQUEST_ID, "ResourceProperties": props, **extra}
 
 
 def build(status: str, **fields: Any) -> dict[str, Any]:
     return {
-        "id": "ImageBuild:1234",
+        "id": "ModelStaging:1234",
         "buildStatus": status,
         "startTime": STARTED,
         "logs": {"deepLink": "https://console.aws.amazon.com/cloudwatch/logs"},
@@ -76,18 +116,37 @@ def build(status: str, **fields: Any) -> dict[str, Any]:
     }
 
 
-def test_image_build_starts_codebuild_with_the_source_and_variant(aws):
+def no_pinned_image(aws: dict[str, Any]) -> None:
+    aws["ssm"].add_client_error("get_parameter", "ParameterNotFound", expected_params={"Name": PARAMETER})
+
+
+def no_such_tag(aws: dict[str, Any]) -> None:
     aws["ecr"].add_client_error(
         "describe_images",
         "ImageNotFoundException",
         expected_params={"repositoryName": "decider-images", "imageIds": [{"imageTag": "cpu-abc"}]},
     )
+
+
+def env_of(request: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v["value"] for v in request["environmentVariablesOverride"]}
+
+
+# --- image: start, reuse, keep ----------------------------------------------------------------------
+
+
+def test_image_build_starts_with_the_source_buildspec_timeouts_and_wait_handle(aws, handle):
+    no_pinned_image(aws)
+    no_such_tag(aws)
+    props = image_props(handle.url, BuildArgs="PYTHON_IMAGE=mirror/python:3.11\nX=1")
     aws["codebuild"].add_response(
         "start_build",
         {"build": {"id": "ImageBuild:1234"}},
         expected_params={
             "projectName": "ImageBuild",
             "timeoutInMinutesOverride": 60,
+            "queuedTimeoutInMinutesOverride": 60,
+            "buildspecOverride": props["Buildspec"],
             "sourceTypeOverride": "S3",
             "sourceLocationOverride": "cdk-assets/abc.zip",
             "computeTypeOverride": "BUILD_GENERAL1_LARGE",
@@ -95,97 +154,188 @@ def test_image_build_starts_codebuild_with_the_source_and_variant(aws):
                 {"name": "REPOSITORY_URI", "value": REPO_URI, "type": "PLAINTEXT"},
                 {"name": "IMAGE_TAG", "value": "cpu-abc", "type": "PLAINTEXT"},
                 {"name": "VARIANT", "value": "cpu", "type": "PLAINTEXT"},
-                {"name": "EXTRA_BUILD_ARGS", "value": "PYTHON_IMAGE=mirror/python:3.11", "type": "PLAINTEXT"},
+                {
+                    "name": "EXTRA_BUILD_ARGS",
+                    "value": "PYTHON_IMAGE=mirror/python:3.11\nX=1",
+                    "type": "PLAINTEXT",
+                },
+                {"name": "WAIT_HANDLE_URL", "value": handle.url, "type": "PLAINTEXT"},
+                {"name": "DEPLOY_REQUEST_ID", "value": REQUEST_ID, "type": "PLAINTEXT"},
             ],
         },
     )
-    props = {**IMAGE_PROPS, "BuildArgs": "PYTHON_IMAGE=mirror/python:3.11"}
     result = job.on_event(event("Create", props), clients=aws["clients"])
-    assert result == {"PhysicalResourceId": f"{REPO_URI}:cpu-abc", "Data": {"BuildId": "ImageBuild:1234"}}
+    assert result == {
+        "PhysicalResourceId": f"{REPO_URI}:cpu-abc",
+        "Data": {"BuildId": "ImageBuild:1234", "Source": "build"},
+    }
+    assert handle.signals == []  # the build itself signals after its push
+    # started: the custom resource is done; the wait condition waits for the image
+    done = job.is_complete(event("Create", props, **result), clients=aws["clients"])
+    assert done == {"IsComplete": True, "Data": {"BuildId": "ImageBuild:1234", "Source": "build"}}
 
 
-def test_existing_tag_is_reused_without_a_build(aws):
+@pytest.mark.parametrize(
+    ("compute", "cache_off"), [("BUILD_GENERAL1_2XLARGE", True), ("BUILD_GENERAL1_LARGE", False)]
+)
+def test_2xlarge_builds_run_without_the_local_cache(compute, cache_off):
+    request = job.build_request(image_props("https://h", ComputeType=compute), REQUEST_ID)
+    assert ("cacheOverride" in request) is cache_off
+    if cache_off:
+        assert request["cacheOverride"] == {"type": "NO_CACHE"}
+
+
+def test_existing_tag_is_reused_and_signalled_without_a_build(aws, handle):
+    no_pinned_image(aws)
     aws["ecr"].add_response(
         "describe_images",
         {"imageDetails": [{"imageDigest": DIGEST, "imageTags": ["cpu-abc"]}]},
         expected_params={"repositoryName": "decider-images", "imageIds": [{"imageTag": "cpu-abc"}]},
     )
-    started = job.on_event(event("Update", IMAGE_PROPS, PhysicalResourceId="old"), clients=aws["clients"])
-    assert started["Data"] == {"BuildId": "", "ImageDigest": DIGEST, "ImageUri": f"{REPO_URI}@{DIGEST}"}
-    done = job.is_complete(event("Update", IMAGE_PROPS, **started), clients=aws["clients"])
-    assert done == {"IsComplete": True, "Data": {"ImageDigest": DIGEST, "ImageUri": f"{REPO_URI}@{DIGEST}"}}
+    props = image_props(handle.url)
+    started = job.on_event(event("Update", props, PhysicalResourceId="old"), clients=aws["clients"])
+    assert started["Data"] == {"BuildId": "", "Source": "build"}
+    [signal] = handle.signals
+    assert signal == {
+        "Status": "SUCCESS",
+        "Reason": "tag cpu-abc exists",
+        "UniqueId": "image",
+        "Data": f"{REPO_URI}@{DIGEST}",
+    }
+    assert handle.headers[0].get("Content-Type", "") == ""  # presigned URLs sign no content type
+    done = job.is_complete(event("Update", props, **started), clients=aws["clients"])
+    assert done == {"IsComplete": True, "Data": {"BuildId": "", "Source": "build"}}
 
 
-def test_running_build_is_not_complete(aws):
+def test_an_image_pinned_by_the_last_deploy_is_kept_without_building(aws, handle):
+    pinned = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/ci-images@sha256:{'c' * 64}"
+    aws["ssm"].add_response(
+        "get_parameter",
+        {"Parameter": {"Name": PARAMETER, "Value": json.dumps({"image_uri": pinned, "source": "pinned"})}},
+        expected_params={"Name": PARAMETER},
+    )
+    result = job.on_event(event("Create", image_props(handle.url)), clients=aws["clients"])
+    assert result["Data"] == {"BuildId": "", "Source": "pinned"}
+    assert [s["Data"] for s in handle.signals] == [pinned]
+
+
+def test_image_source_build_ignores_the_pinned_record(aws, handle):
+    no_such_tag(aws)
+    aws["codebuild"].add_response("start_build", {"build": {"id": "ImageBuild:9"}})
+    result = job.on_event(
+        event("Create", image_props(handle.url, ImageSource="build")), clients=aws["clients"]
+    )
+    assert result["Data"] == {"BuildId": "ImageBuild:9", "Source": "build"}  # no SSM call was made
+
+
+def test_a_record_of_a_source_build_does_not_pin(aws, handle):
+    record = {"image_uri": f"{REPO_URI}@{DIGEST}", "source": "build"}
+    aws["ssm"].add_response("get_parameter", {"Parameter": {"Name": PARAMETER, "Value": json.dumps(record)}})
+    no_such_tag(aws)
+    aws["codebuild"].add_response("start_build", {"build": {"id": "ImageBuild:10"}})
+    assert job.on_event(event("Create", image_props(handle.url)), clients=aws["clients"])["Data"]["BuildId"]
+
+
+def test_a_handle_that_refuses_the_signal_fails_the_resource(aws, handle):
+    handle.status = 403
+    no_pinned_image(aws)
+    aws["ecr"].add_response("describe_images", {"imageDetails": [{"imageDigest": DIGEST}]})
+    with pytest.raises(SignalError, match="HTTP 403"):
+        job.on_event(event("Create", image_props(handle.url)), clients=aws["clients"])
+
+
+# --- AccountLimitExceededException: retried with backoff ---------------------------------------------
+
+
+def test_retry_schedule_backs_off_to_five_minutes():
+    polls = range(0, 1800 + 1, 30)  # the waiter polls every 30 s
+    due = [t for t in polls if job.retry_due(t, 30)]
+    assert due == [30, 90, 210, 450, 750, 1050, 1350, 1650]
+
+
+def limit_exceeded(aws: dict[str, Any]) -> None:
+    aws["codebuild"].add_client_error(
+        "start_build",
+        "AccountLimitExceededException",
+        service_message="Cannot have more than 0 builds in queue for the account",
+    )
+
+
+def no_recent_build(aws: dict[str, Any]) -> None:
+    aws["codebuild"].add_response(
+        "list_builds_for_project",
+        {"ids": ["ImageBuild:old"]},
+        expected_params={"projectName": ANY, "sortOrder": "DESCENDING"},
+    )
     aws["codebuild"].add_response(
         "batch_get_builds",
-        {"builds": [build("IN_PROGRESS", currentPhase="BUILD")]},
-        expected_params={"ids": ["ImageBuild:1234"]},
+        {"builds": [build("SUCCEEDED", id="ImageBuild:old", environment=environment(OTHER="x"))]},
     )
-    result = job.check_job(aws["clients"], IMAGE_PROPS, "ImageBuild:1234", now=STARTED + timedelta(minutes=5))
-    assert result == {"IsComplete": False}
 
 
-def test_successful_build_returns_the_image_by_digest(aws):
-    exported = [{"name": "IMAGE_DIGEST", "value": DIGEST}]
-    aws["codebuild"].add_response(
-        "batch_get_builds",
-        {"builds": [build("SUCCEEDED", exportedEnvironmentVariables=exported)]},
-        expected_params={"ids": ["ImageBuild:1234"]},
+def test_a_refused_image_build_is_retried_from_is_complete(aws, handle):
+    no_pinned_image(aws)
+    no_such_tag(aws)
+    limit_exceeded(aws)
+    props = image_props(handle.url)
+    started = job.on_event(event("Create", props), clients=aws["clients"], now=STARTED)
+    assert started["Data"] == {
+        "BuildId": "",
+        "Pending": "true",
+        "RequestedAt": STARTED.isoformat(),
+        "Source": "build",
+    }
+    pending = event("Create", props, **started)
+    # 60 s later: no retry is due (retries at 30, 90, … s)
+    no_recent_build(aws)
+    assert job.is_complete(pending, clients=aws["clients"], now=STARTED + timedelta(seconds=60)) == {
+        "IsComplete": False
+    }
+    # 90 s: a retry is due, still refused
+    no_recent_build(aws)
+    limit_exceeded(aws)
+    assert job.is_complete(pending, clients=aws["clients"], now=STARTED + timedelta(seconds=90)) == {
+        "IsComplete": False
+    }
+    # 210 s: the retry starts the build with the same request
+    no_recent_build(aws)
+    aws["codebuild"].add_response("start_build", {"build": {"id": "ImageBuild:77"}})
+    done = job.is_complete(pending, clients=aws["clients"], now=STARTED + timedelta(seconds=210))
+    assert done == {"IsComplete": True, "Data": {"BuildId": "ImageBuild:77", "Source": "build"}}
+
+
+def test_a_build_a_retry_already_started_is_found_by_its_request_id(aws):
+    data = {"BuildId": "", "Pending": "true", "RequestedAt": STARTED.isoformat()}
+    aws["codebuild"].add_response("list_builds_for_project", {"ids": ["ModelStaging:9"]})
+    mine = build(
+        "IN_PROGRESS",
+        id="ModelStaging:9",
+        environment=environment(DEPLOY_REQUEST_ID=REQUEST_ID),
     )
+    aws["codebuild"].add_response("batch_get_builds", {"builds": [mine]})
+    aws["codebuild"].add_response("batch_get_builds", {"builds": [mine]}, {"ids": ["ModelStaging:9"]})
     result = job.is_complete(
-        event("Create", IMAGE_PROPS, PhysicalResourceId="x", Data={"BuildId": "ImageBuild:1234"}),
-        clients=aws["clients"],
+        event("Create", MODEL_PROPS, Data=data), clients=aws["clients"], now=STARTED + timedelta(minutes=3)
     )
-    assert result == {"IsComplete": True, "Data": {"ImageDigest": DIGEST, "ImageUri": f"{REPO_URI}@{DIGEST}"}}
+    assert result == {"IsComplete": False}  # polling the build it found, which still runs
 
 
-def test_failed_build_raises_with_the_phase_message_and_logs(aws):
-    phases = [
-        {"phaseType": "PRE_BUILD", "phaseStatus": "SUCCEEDED"},
-        {
-            "phaseType": "BUILD",
-            "phaseStatus": "FAILED",
-            "contexts": [{"statusCode": "COMMAND_EXECUTION_ERROR", "message": "docker build exit status 1"}],
-        },
-    ]
-    aws["codebuild"].add_response("batch_get_builds", {"builds": [build("FAILED", phases=phases)]})
-    with pytest.raises(
-        job.BuildFailedError, match=r"ended FAILED in phase BUILD: docker build exit status 1.*Logs: https"
-    ):
-        job.check_job(aws["clients"], IMAGE_PROPS, "ImageBuild:1234")
+def test_refusals_past_the_retry_window_fail_with_the_quota_to_raise(aws):
+    data = {"BuildId": "", "Pending": "true", "RequestedAt": STARTED.isoformat()}
+    aws["codebuild"].add_response("list_builds_for_project", {})
+    late = STARTED + timedelta(minutes=config.BUILD_START_RETRY_MINUTES, seconds=1)
+    with pytest.raises(job.BuildFailedError, match=r"Concurrently running builds.*preflight"):
+        job.is_complete(event("Create", MODEL_PROPS, Data=data), clients=aws["clients"], now=late)
 
 
-def test_build_timed_out_in_codebuild_raises(aws):
-    aws["codebuild"].add_response("batch_get_builds", {"builds": [build("TIMED_OUT")]})
-    with pytest.raises(job.BuildFailedError, match="ended TIMED_OUT"):
-        job.check_job(aws["clients"], IMAGE_PROPS, "ImageBuild:1234")
-
-
-def test_build_past_its_deadline_is_stopped_and_fails(aws):
-    aws["codebuild"].add_response("batch_get_builds", {"builds": [build("IN_PROGRESS")]})
-    aws["codebuild"].add_response(
-        "stop_build", {"build": {"id": "ImageBuild:1234"}}, {"id": "ImageBuild:1234"}
-    )
-    late = STARTED + timedelta(minutes=60) + job.DEADLINE_GRACE + timedelta(seconds=1)
-    with pytest.raises(job.BuildFailedError, match="still running after 60 min"):
-        job.check_job(aws["clients"], IMAGE_PROPS, "ImageBuild:1234", now=late)
-
-
-def test_success_without_a_digest_is_a_failure(aws):
-    exported = [{"name": "IMAGE_DIGEST", "value": ""}]
-    aws["codebuild"].add_response(
-        "batch_get_builds", {"builds": [build("SUCCEEDED", exportedEnvironmentVariables=exported)]}
-    )
-    with pytest.raises(job.BuildFailedError, match="exported no image digest"):
-        job.check_job(aws["clients"], IMAGE_PROPS, "ImageBuild:1234")
+# --- model staging ------------------------------------------------------------------------------------
 
 
 def test_model_already_staged_with_the_pinned_hash_is_not_downloaded(aws):
     aws["s3"].add_response(
         "head_object",
         {"ContentLength": 3013027808, "Metadata": {"sha256": MODEL_PROPS["Sha256"]}},
-        expected_params={"Bucket": "artifacts", "Key": MODEL_PROPS["Prefix"] + "model.gguf"},
+        expected_params={"Bucket": "artifacts", "Key": MODEL_KEY},
     )
     result = job.on_event(event("Create", MODEL_PROPS), clients=aws["clients"])
     uri = "s3://artifacts/models/org/repo/rev/13c16f426047/"
@@ -199,7 +349,9 @@ def test_model_with_another_hash_is_staged_again(aws):
         {"build": {"id": "ModelStaging:1"}},
         expected_params={
             "projectName": "ModelStaging",
-            "timeoutInMinutesOverride": 60,
+            "timeoutInMinutesOverride": 25,
+            "queuedTimeoutInMinutesOverride": 10,
+            "buildspecOverride": MODEL_PROPS["Buildspec"],
             "environmentVariablesOverride": ANY,
         },
     )
@@ -208,32 +360,113 @@ def test_model_with_another_hash_is_staged_again(aws):
     }
 
 
-def test_missing_model_starts_the_staging_build_with_the_pin(aws):
+def test_missing_model_404_starts_the_staging_build_with_the_pin(aws):
     aws["s3"].add_client_error("head_object", "404", http_status_code=404)
-    captured: dict[str, Any] = {}
-
-    def capture(params, **_):
-        captured.update(params)
-
-    aws["clients"]["codebuild"].meta.events.register("provide-client-params.codebuild.StartBuild", capture)
     aws["codebuild"].add_response("start_build", {"build": {"id": "ModelStaging:2"}})
     job.on_event(event("Create", MODEL_PROPS), clients=aws["clients"])
-    env = {v["name"]: v["value"] for v in captured["environmentVariablesOverride"]}
+    env = env_of(job.build_request(MODEL_PROPS, REQUEST_ID))
     assert env["MODEL_SHA256"] == MODEL_PROPS["Sha256"]
     assert env["MODEL_SIZE_BYTES"] == "3013027808"
     assert env["MODEL_PREFIX"].endswith("/")
+    assert env["DEPLOY_REQUEST_ID"] == REQUEST_ID
+
+
+def test_a_403_on_a_missing_key_counts_as_absent(aws):
+    """No unconditional s3:ListBucket: S3 answers 403 for a missing key; a prefix listing settles it."""
+    aws["s3"].add_client_error("head_object", "403", http_status_code=403)
+    aws["s3"].add_response(
+        "list_objects_v2",
+        {"KeyCount": 0},
+        expected_params={"Bucket": "artifacts", "Prefix": MODEL_KEY, "MaxKeys": 1},
+    )
+    aws["codebuild"].add_response("start_build", {"build": {"id": "ModelStaging:3"}})
+    assert job.on_event(event("Create", MODEL_PROPS), clients=aws["clients"])["Data"]["BuildId"] == (
+        "ModelStaging:3"
+    )
+
+
+def test_a_403_on_an_existing_key_is_a_real_denial(aws):
+    aws["s3"].add_client_error("head_object", "403", http_status_code=403)
+    aws["s3"].add_response("list_objects_v2", {"KeyCount": 1, "Contents": [{"Key": MODEL_KEY}]})
+    with pytest.raises(job.BuildFailedError, match="exists, but HeadObject on it is denied"):
+        job.on_event(event("Create", MODEL_PROPS), clients=aws["clients"])
+
+
+def test_running_build_is_not_complete(aws):
+    aws["codebuild"].add_response(
+        "batch_get_builds",
+        {"builds": [build("IN_PROGRESS", currentPhase="BUILD")]},
+        expected_params={"ids": ["ModelStaging:1234"]},
+    )
+    result = job.check_build(
+        aws["clients"], MODEL_PROPS, "ModelStaging:1234", now=STARTED + timedelta(minutes=5)
+    )
+    assert result == {"IsComplete": False}
 
 
 def test_model_build_success_is_verified_against_the_bucket(aws):
     aws["codebuild"].add_response("batch_get_builds", {"builds": [build("SUCCEEDED")]})
     aws["s3"].add_response(
+        "head_object", {"ContentLength": 3013027808, "Metadata": {"sha256": MODEL_PROPS["Sha256"]}}
+    )
+    done = job.is_complete(
+        event("Create", MODEL_PROPS, Data={"BuildId": "ModelStaging:1234"}), clients=aws["clients"]
+    )
+    assert done == {
+        "IsComplete": True,
+        "Data": {"ModelS3Uri": "s3://artifacts/models/org/repo/rev/13c16f426047/"},
+    }
+
+
+def test_model_build_success_with_a_wrong_object_fails(aws):
+    aws["codebuild"].add_response("batch_get_builds", {"builds": [build("SUCCEEDED")]})
+    aws["s3"].add_response(
         "head_object", {"ContentLength": 12, "Metadata": {"sha256": MODEL_PROPS["Sha256"]}}
     )
     with pytest.raises(job.BuildFailedError, match="missing or has another sha256"):
-        job.check_job(aws["clients"], MODEL_PROPS, "ModelStaging:2")
+        job.check_build(aws["clients"], MODEL_PROPS, "ModelStaging:1234")
 
 
-def test_delete_keeps_images_and_models(aws):
-    result = job.on_event(event("Delete", IMAGE_PROPS, PhysicalResourceId="keep-me"), clients=aws["clients"])
+def test_failed_build_raises_with_the_phase_message_and_logs(aws):
+    phases = [
+        {"phaseType": "PRE_BUILD", "phaseStatus": "SUCCEEDED"},
+        {
+            "phaseType": "BUILD",
+            "phaseStatus": "FAILED",
+            "contexts": [{"statusCode": "COMMAND_EXECUTION_ERROR", "message": "download failed"}],
+        },
+    ]
+    aws["codebuild"].add_response("batch_get_builds", {"builds": [build("FAILED", phases=phases)]})
+    with pytest.raises(
+        job.BuildFailedError, match=r"ended FAILED in phase BUILD: download failed.*Logs: https"
+    ):
+        job.check_build(aws["clients"], MODEL_PROPS, "ModelStaging:1234")
+
+
+def test_build_timed_out_in_codebuild_raises(aws):
+    aws["codebuild"].add_response("batch_get_builds", {"builds": [build("TIMED_OUT")]})
+    with pytest.raises(job.BuildFailedError, match="ended TIMED_OUT"):
+        job.check_build(aws["clients"], MODEL_PROPS, "ModelStaging:1234")
+
+
+def test_build_past_queue_timeout_and_grace_is_stopped_and_fails(aws):
+    aws["codebuild"].add_response("batch_get_builds", {"builds": [build("IN_PROGRESS")]})
+    aws["codebuild"].add_response(
+        "stop_build", {"build": {"id": "ModelStaging:1234"}}, {"id": "ModelStaging:1234"}
+    )
+    late = STARTED + timedelta(minutes=25 + 10 + config.BUILD_DEADLINE_GRACE_MINUTES, seconds=1)
+    with pytest.raises(job.BuildFailedError, match=r"still running after 35 min \(queue \+ timeout\)"):
+        job.check_build(aws["clients"], MODEL_PROPS, "ModelStaging:1234", now=late)
+
+
+def test_delete_keeps_images_and_models(aws, handle):
+    result = job.on_event(event("Delete", image_props(handle.url), PhysicalResourceId="keep-me"), clients={})
     assert result == {"PhysicalResourceId": "keep-me"}
-    assert job.is_complete(event("Delete", IMAGE_PROPS, PhysicalResourceId="keep-me")) == {"IsComplete": True}
+    assert job.is_complete(event("Delete", MODEL_PROPS, PhysicalResourceId="keep-me")) == {"IsComplete": True}
+
+
+def test_the_staging_budget_fits_the_custom_resource_ceiling():
+    """Start retries + queue + build + grace must end before the provider (and CloudFormation) gives up."""
+    model = config.load_config(cdk_json_context()).model
+    assert config.staging_budget_minutes(model) <= config.PROVIDER_TOTAL_TIMEOUT_MINUTES
+    assert config.PROVIDER_TOTAL_TIMEOUT_MINUTES * 60 < config.CUSTOM_RESOURCE_TIMEOUT_S <= 3600

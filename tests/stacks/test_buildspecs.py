@@ -4,6 +4,7 @@ command fails the build), against fake `aws`, `curl` and `docker` that record th
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import subprocess
@@ -30,14 +31,28 @@ echo "unexpected aws call: $*" >&2; exit 2
 """
 FAKE_CURL = r"""#!/usr/bin/env bash
 echo "curl $*" >> "$CALLS"
-out=""; while [[ $# -gt 0 ]]; do [[ "$1" == "--output" ]] && out="$2"; shift; done
+out=""; body=""; url=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --output) out="$2"; shift ;;
+    --data-binary) body="$2"; shift ;;
+    http*) url="$1" ;;
+  esac
+  shift
+done
+if [[ -n "$body" ]]; then  # a wait condition signal: PUT to the presigned URL
+  [[ -f "$STATE/refuse_signal" ]] && exit 22
+  printf '%s' "$body" > "$STATE/signal"; printf '%s' "$url" > "$STATE/signal_url"; exit 0
+fi
 cp "$STATE/download" "$out"
 """
 FAKE_DOCKER = r"""#!/usr/bin/env bash
 echo "docker $*" >> "$CALLS"
 case "$1" in
+  version) cat "$STATE/docker_version" 2>/dev/null || echo "23.0.6" ;;
   push) echo "sha256:$(printf 'f%.0s' {1..64})" > "$STATE/digest" ;;
-  build) [[ -f "$STATE/fail_build" ]] && exit 1 ;;
+  build) [[ -f "$STATE/fail_build" ]] && exit 1
+         echo "DOCKER_BUILDKIT=$DOCKER_BUILDKIT" > "$STATE/build_env" ;;
 esac
 exit 0
 """
@@ -52,6 +67,9 @@ def buildspec_script(name: str) -> tuple[str, list[str]]:
             lines.append(command)
             lines.append(f'rc=$?; if [ $rc -ne 0 ]; then echo "FAILED in {phase}: rc=$rc" >&2; exit $rc; fi')
     exported = spec["env"]["exported-variables"]
+    # CodeBuild sets env.variables before the first phase.
+    variables = [f"export {k}={shlex.quote(str(v))}" for k, v in spec["env"].get("variables", {}).items()]
+    lines = variables + lines
     lines += [f'echo "EXPORT {v}=${{{v}}}"' for v in exported]
     return "\n".join(lines), exported
 
@@ -151,10 +169,14 @@ def test_model_requires_a_full_sha256(sandbox):
     assert not any(c.startswith("curl") for c in calls)
 
 
+HANDLE = (
+    "https://cloudformation-waitcondition-us-east-1.s3.amazonaws.com/arn%3Aaws%3Ahandle?X-Amz-Signature=abc"
+)
 IMAGE_ENV = {
     "REPOSITORY_URI": "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider",
     "IMAGE_TAG": "cpu-" + "c" * 64,
     "VARIANT": "cpu",
+    "WAIT_HANDLE_URL": HANDLE,
 }
 
 
@@ -166,13 +188,42 @@ def context_dir(sandbox):
     return source
 
 
-def test_image_is_built_with_the_variant_pushed_by_tag_and_exported_by_digest(sandbox, context_dir):
+def test_image_is_built_with_buildkit_pushed_by_tag_exported_and_signalled_by_digest(sandbox, context_dir):
     result, exported, calls = run(sandbox, "image.yml", IMAGE_ENV, cwd=context_dir)
     assert result.returncode == 0, result.stderr
     (build,) = [shlex.split(c) for c in calls if c.startswith("docker build")]
     assert "VARIANT=cpu" in build and f"{IMAGE_ENV['REPOSITORY_URI']}:{IMAGE_ENV['IMAGE_TAG']}" in build
+    assert "--progress=plain" in build
+    assert (sandbox / "state" / "build_env").read_text().strip() == "DOCKER_BUILDKIT=1"
     assert any(c == f"docker push {IMAGE_ENV['REPOSITORY_URI']}:{IMAGE_ENV['IMAGE_TAG']}" for c in calls)
-    assert exported["IMAGE_DIGEST"] == "sha256:" + "f" * 64
+    digest = "sha256:" + "f" * 64
+    assert exported["IMAGE_DIGEST"] == digest
+    # the wait condition gets the documented signal, with the image by digest as its data
+    signal = json.loads((sandbox / "state" / "signal").read_text())
+    assert signal == {
+        "Status": "SUCCESS",
+        "Reason": f"built {IMAGE_ENV['IMAGE_TAG']}",
+        "UniqueId": "image",
+        "Data": f"{IMAGE_ENV['REPOSITORY_URI']}@{digest}",
+    }
+    assert (sandbox / "state" / "signal_url").read_text() == HANDLE
+    (put,) = [c for c in calls if c.startswith("curl") and "-X PUT" in c]
+    assert "-H Content-Type:" in put
+
+
+def test_an_unsignalled_build_fails(sandbox, context_dir):
+    (sandbox / "state" / "refuse_signal").touch()
+    result, _, _ = run(sandbox, "image.yml", IMAGE_ENV, cwd=context_dir)
+    assert result.returncode != 0
+    assert "could not signal the wait condition" in result.stdout
+
+
+def test_a_docker_without_buildkit_stops_before_building(sandbox, context_dir):
+    (sandbox / "state" / "docker_version").write_text("18.06.3\n")
+    result, _, calls = run(sandbox, "image.yml", IMAGE_ENV, cwd=context_dir)
+    assert result.returncode != 0
+    assert "has no BuildKit" in result.stdout
+    assert not any(c.startswith("docker build") for c in calls)
 
 
 def test_extra_build_args_reach_docker_build(sandbox, context_dir):
@@ -183,12 +234,21 @@ def test_extra_build_args_reach_docker_build(sandbox, context_dir):
     assert "--build-arg PYTHON_IMAGE=public.ecr.aws/docker/library/python:3.11 --build-arg X=a b" in build
 
 
-def test_existing_tag_is_not_rebuilt(sandbox, context_dir):
+def test_existing_tag_is_not_rebuilt_but_signalled(sandbox, context_dir):
     (sandbox / "state" / "digest").write_text("sha256:" + "e" * 64)
     result, exported, calls = run(sandbox, "image.yml", IMAGE_ENV, cwd=context_dir)
     assert result.returncode == 0, result.stderr
     assert not any(c.startswith(("docker build", "docker push")) for c in calls)
     assert exported["IMAGE_DIGEST"] == "sha256:" + "e" * 64
+    assert json.loads((sandbox / "state" / "signal").read_text())["Data"].endswith("@sha256:" + "e" * 64)
+
+
+def test_cuda_architectures_reach_docker_build_as_one_argument(sandbox, context_dir):
+    env = {**IMAGE_ENV, "VARIANT": "cuda", "EXTRA_BUILD_ARGS": "CUDA_ARCHITECTURES=86;89"}
+    result, _, calls = run(sandbox, "image.yml", env, cwd=context_dir)
+    assert result.returncode == 0, result.stderr
+    (build,) = [shlex.split(c) for c in calls if c.startswith("docker build")]
+    assert build[build.index("CUDA_ARCHITECTURES=86;89") - 1] == "--build-arg"
 
 
 @pytest.mark.parametrize("variant", ["", "gpu", "latest"])
@@ -198,8 +258,10 @@ def test_unknown_variant_fails_before_building(sandbox, context_dir, variant):
     assert not any(c.startswith("docker build") for c in calls)
 
 
-def test_failed_docker_build_pushes_nothing(sandbox, context_dir):
+def test_failed_docker_build_pushes_and_signals_nothing(sandbox, context_dir):
+    """The FAILURE signal comes from the build watcher (the build's state-change event)."""
     (sandbox / "state" / "fail_build").touch()
     result, _, calls = run(sandbox, "image.yml", IMAGE_ENV, cwd=context_dir)
     assert result.returncode != 0
     assert not any(c.startswith("docker push") for c in calls)
+    assert not (sandbox / "state" / "signal").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -37,11 +38,16 @@ def test_defaults_from_cdk_json_pin_the_production_model_and_instances():
     assert config.model.file == "Qwen_Qwen3.5-4B-Q4_K_M.gguf"
     assert config.model.size_bytes == 3_013_027_808
     assert config.model.sha256.startswith("13c16f42") and config.model.sha256.endswith("a983")
-    assert config.cpu.instance_type == "ml.c7i.xlarge"
+    # the capacity planner's choice: p95 well under the 55 s deadline (tests/capacity)
+    assert config.cpu.instance_type == "ml.c7i.8xlarge"
     assert config.gpu.instance_type == "ml.g6.xlarge"
-    assert config.gpu.inference_ami_version == "al2-ami-sagemaker-inference-gpu-3-1"
+    assert config.gpu.inference_ami_version == "al2023-ami-sagemaker-inference-gpu-4-1"
     assert config.cpu.encrypt_volume and not config.gpu.encrypt_volume
+    assert (config.cpu.ebs_volume_size_gb, config.gpu.ebs_volume_size_gb) == (30, None)
     assert (config.cpu.build_variant, config.gpu.build_variant) == ("cpu", "cuda")
+    assert (config.cpu.cuda_architectures, config.gpu.cuda_architectures) == (None, "89")
+    assert config.gpu.docker_build_args == {"CUDA_ARCHITECTURES": "89"}
+    assert config.cpu.docker_build_args == {}
 
 
 def test_dotted_overrides_are_parsed_and_applied():
@@ -92,7 +98,61 @@ def test_unrelated_context_keys_are_ignored():
     ("overrides", "expected"),
     [
         ({"cpu.instance_type": "ml.g6.xlarge"}, "cpu.instance_type: ml.g6.xlarge is a GPU/accelerator type"),
+        (
+            {"cpu.instance_pools": '["ml.inf2.xlarge"]', "cpu.provision_timeout_s": "600"},
+            "cpu.instance_pools: ml.inf2",
+        ),
         ({"gpu.instance_type": "ml.c7i.xlarge"}, "gpu.instance_type: ml.c7i.xlarge has no GPU"),
+        ({"gpu.instance_type": "ml.inf2.xlarge"}, "has no NVIDIA GPU; the CUDA image needs one"),
+        (
+            {"gpu.instance_type": "ml.g7e.2xlarge"},
+            "gpu.instance_type: ml.g7e.2xlarge has an NVIDIA RTX PRO 6000 Blackwell (sm_120), which needs "
+            "CUDA 12.8 or newer; the CUDA image is built with CUDA 12.4",
+        ),
+        (
+            {"gpu.instance_pools": '["ml.p6-b200.48xlarge"]', "gpu.provision_timeout_s": "600"},
+            "gpu.instance_pools: ml.p6-b200.48xlarge has an NVIDIA B200 (sm_100)",
+        ),
+        ({"gpu.instance_type": "ml.g5.3xlarge"}, "ml.g5.3xlarge is not in stacks/instances.py"),
+        ({"gpu.instance_pools": '["ml.g5.xlarge"]'}, "gpu.provision_timeout_s: set it with instance_pools"),
+        (
+            {"gpu.instance_pools": '["ml.g5.xlarge", "ml.g5.xlarge"]', "gpu.provision_timeout_s": "600"},
+            "lists an instance type twice",
+        ),
+        (
+            {
+                "gpu.instance_pools": json.dumps(
+                    ["ml.g5.xlarge", "ml.g5.2xlarge", "ml.g6e.xlarge", "ml.g6.2xlarge", "x"]
+                )
+            },
+            "at most 4 items",
+        ),
+        ({"gpu.provision_timeout_s": "120"}, "gpu.provision_timeout_s"),
+        ({"gpu.volume_size_gb": "100"}, "gpu.volume_size_gb: ml.g6.xlarge has NVMe instance storage"),
+        ({"cpu.volume_size_gb": "4"}, "cpu.volume_size_gb: 4 GB is too small for the pinned 3.0 GB model"),
+        ({"cpu.volume_size_gb": "600"}, "cpu.volume_size_gb"),
+        (
+            {"cpu.image_source": "build", "cpu.image_uri": ECR_IMAGE},
+            "cpu.image_source: `build` contradicts image_uri",
+        ),
+        ({"cpu.image_source": "latest"}, "cpu.image_source"),
+        (
+            {"gpu.image_build.build_args.CUDA_ARCHITECTURES": "80"},
+            "CUDA_ARCHITECTURES from the instance types",
+        ),
+        (
+            {"gpu.image_build.timeout_minutes": "600", "gpu.image_build.queued_timeout_minutes": "480"},
+            "exceeds the 720 min a CloudFormation WaitCondition can wait",
+        ),
+        (
+            {"model.staging_timeout_minutes": "45"},
+            "model.staging_timeout_minutes: 45 + queue 10 + start retries 10 + grace 5 = 70 min exceeds",
+        ),
+        ({"cpu.alarms.email": "not-an-address"}, "cpu.alarms.email"),
+        ({"cpu.alarms.error_5xx_count": "1"}, "cpu.alarms.error_5xx_count: unknown key"),
+        ({"cpu.alarms.error_rate_percent": "0"}, "cpu.alarms.error_rate_percent"),
+        ({"gpu.routing.strategy": "STICKY"}, "gpu.routing.strategy"),
+        ({"gpu.routing.prefix_length": "512"}, "gpu.routing.prefix_length"),
         ({"cpu.instance_type": "c7i.xlarge"}, "is not a SageMaker instance type"),
         ({"cpu.container_startup_health_check_timeout_s": "30"}, "greater than or equal to 60"),
         ({"gpu.model_data_download_timeout_s": "3601"}, "less than or equal to 3600"),
@@ -114,6 +174,7 @@ def test_unrelated_context_keys_are_ignored():
             "only applies to the gpu variant",
         ),
         ({"gpu.inference_ami_version": "al2-ami-latest"}, "inference_ami_version: must be one of"),
+        ({"gpu.inference_ami_version": "al2-ami-sagemaker-inference-neuron-2"}, "inference_ami_version"),
         (
             {"cpu.min_capacity": "1", "cpu.initial_instance_count": "1"},
             "cpu.deployment.step_instance_count: 1 must be at most half of min_capacity",
@@ -127,6 +188,46 @@ def test_unrelated_context_keys_are_ignored():
 )
 def test_invalid_values_fail_with_a_message_naming_the_key(overrides, expected):
     assert expected in error_for(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("types", "archs"),
+    [
+        (["ml.g6.xlarge"], "89"),
+        (["ml.g6.xlarge", "ml.g6e.xlarge"], "89"),
+        (
+            ["ml.g6e.xlarge", "ml.g6.2xlarge", "ml.g5.2xlarge", "ml.g4dn.2xlarge"],
+            "75;86;89",
+        ),  # the AWS guide's
+        (["ml.p4d.24xlarge", "ml.p5.48xlarge"], "80;90"),
+    ],
+)
+def test_cuda_architectures_follow_the_allowed_gpus(types, archs):
+    """Compile for what the config allows (g4dn sm_75 and p4d sm_80 included), nothing more."""
+    primary, *pools = types
+    overrides = {"gpu.instance_type": primary}
+    if pools:
+        overrides |= {"gpu.instance_pools": json.dumps(pools), "gpu.provision_timeout_s": "1200"}
+    variant = config_with(**overrides).gpu
+    assert variant.cuda_architectures == archs
+    assert variant.docker_build_args["CUDA_ARCHITECTURES"] == archs
+    assert variant.instance_types == types
+
+
+def test_an_ami_with_driver_580_is_accepted():
+    assert config_with(**{"gpu.inference_ami_version": "al2023-ami-sagemaker-inference-gpu-4-1"})
+
+
+def test_mixed_storage_pools_drop_kms_and_the_volume_size():
+    variant = config_with(
+        **{"cpu.instance_pools": '["ml.c6id.8xlarge"]', "cpu.provision_timeout_s": "900"}
+    ).cpu
+    assert not variant.on_ebs and not variant.encrypt_volume and variant.ebs_volume_size_gb is None
+
+
+def test_a_prebuilt_model_skips_the_volume_size_check():
+    config = config_with(model_s3_uri="s3://bucket/models/small/", **{"cpu.volume_size_gb": "4"})
+    assert config.cpu.ebs_volume_size_gb == 4
 
 
 def test_every_problem_is_reported_at_once():
@@ -183,6 +284,8 @@ def test_synth_machine_environment_does_not_leak_into_the_container(monkeypatch)
         ("ml.c6id.xlarge", False),
         ("ml.p4d.24xlarge", False),
         ("ml.inf2.xlarge", False),
+        ("ml.c5.xlarge", True),  # not in stacks/instances.py: by family
+        ("ml.g7e.2xlarge", False),
     ],
 )
 def test_volume_kms_support_follows_instance_storage(instance_type, allowed):

@@ -105,3 +105,29 @@ def test_cfn_lint_reports_no_errors(request, variant, stack):
     matches = lint(template, config=ManualArgs(regions=["us-east-1", "eu-west-1"]))
     errors = [m for m in matches if m.rule.id.startswith("E")]
     assert errors == [], "\n".join(f"{m.rule.id} {m.message} ({m.path})" for m in errors)
+
+
+def test_cfn_lint_schemas_accept_the_capacity_properties_the_stacks_use():
+    """The pinned cfn-lint (and so the CloudFormation schemas it ships) knows InstancePools,
+    VariantInstanceProvisionTimeoutInSeconds, PREFIX_AWARE routing, the driver-580 AMI and
+    RetainAllVariantProperties; test_cfn_lint_reports_no_errors lints templates that use them."""
+    from cfnlint.schema import PROVIDER_SCHEMA_MANAGER
+
+    from stacks.config import INFERENCE_AMI_VERSIONS
+
+    config = PROVIDER_SCHEMA_MANAGER.get_resource_schema("us-east-1", "AWS::SageMaker::EndpointConfig").schema
+    variant = config["definitions"]["ProductionVariant"]["properties"]
+    assert {
+        "InstancePools",
+        "VariantInstanceProvisionTimeoutInSeconds",
+        "RoutingConfig",
+        "VolumeSizeInGB",
+    } <= set(variant)
+    assert "PREFIX_AWARE" in config["definitions"]["RoutingConfig"]["properties"]["RoutingStrategy"]["enum"]
+    assert set(INFERENCE_AMI_VERSIONS) <= set(variant["InferenceAmiVersion"]["enum"])
+    endpoint = PROVIDER_SCHEMA_MANAGER.get_resource_schema("us-east-1", "AWS::SageMaker::Endpoint").schema
+    assert {"RetainAllVariantProperties", "ExcludeRetainedVariantProperties"} <= set(endpoint["properties"])
+    wait = PROVIDER_SCHEMA_MANAGER.get_resource_schema(
+        "us-east-1", "AWS::CloudFormation::WaitCondition"
+    ).schema
+    assert wait["properties"]["Timeout"]["maximum"] == 43_200

@@ -51,6 +51,10 @@ def test_container_source_hash_ignores_caches(synth, tmp_path):
             cache.parent.rmdir()
 
 
+def _of_type(template: dict, *cfn_types: str) -> list[str]:
+    return [k for k, v in template["Resources"].items() if v["Type"] in cfn_types]
+
+
 def _changed_resources(before: dict, after: dict) -> set[str]:
     keys = set(before["Resources"]) | set(after["Resources"])
     return {k for k in keys if before["Resources"].get(k) != after["Resources"].get(k)}
@@ -79,8 +83,26 @@ def test_container_change_rebuilds_only_the_image_and_copies_do_not(synth, tmp_p
     changed = run_synth(tmp_path / "changed")
     new_hash = changed.decider.image.source_hash
     assert new_hash != synth.decider.image.source_hash
-    for stack, tag_prefix in (("CpuStack", "cpu-"), ("GpuStack", "cuda-")):
+    for stack in ("CpuStack", "GpuStack"):
         before, after = synth.templates[stack], changed.templates[stack]
-        (build_id,) = [k for k, v in after["Resources"].items() if v["Type"] == "Custom::ImageBuild"]
-        assert _changed_resources(before, after) == {build_id}
-        assert after["Resources"][build_id]["Properties"]["ImageTag"] == tag_prefix + new_hash
+        (build_id,) = _of_type(after, "Custom::ImageBuild")
+        (deployed_id,) = _of_type(after, "Custom::DeployedImage")
+        # the build request, a new wait condition + handle (they cannot be updated) in place of the
+        # old ones, and the image check that reads the new wait condition. Nothing else.
+        waits = {
+            *_of_type(
+                before, "AWS::CloudFormation::WaitCondition", "AWS::CloudFormation::WaitConditionHandle"
+            ),
+            *_of_type(
+                after, "AWS::CloudFormation::WaitCondition", "AWS::CloudFormation::WaitConditionHandle"
+            ),
+        }
+        assert len(waits) == 4
+        assert _changed_resources(before, after) == {build_id, deployed_id, *waits}
+        old_tag = before["Resources"][build_id]["Properties"]["ImageTag"]
+        new_tag = after["Resources"][build_id]["Properties"]["ImageTag"]
+        assert new_tag != old_tag
+        if stack == "CpuStack":
+            assert new_tag == f"cpu-{new_hash}"
+        else:  # folded with the CUDA architectures
+            assert new_tag.startswith("cuda-") and new_tag != f"cuda-{new_hash}"

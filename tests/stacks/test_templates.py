@@ -7,10 +7,12 @@ import re
 from collections import Counter
 
 import pytest
+import yaml
 from aws_cdk.assertions import Match, Template
 from decider.settings import Settings
 from stack_helpers import STACKS, only, resources
 
+from stacks import config as app_config
 from stacks.config import container_environment
 
 pytestmark = pytest.mark.cdk
@@ -22,32 +24,48 @@ EXPECTED_RESOURCES = {
         "AWS::S3::BucketPolicy": 2,
         "AWS::KMS::Key": 1,
         "AWS::CodeBuild::Project": 2,
-        "AWS::Lambda::Function": 5,  # our onEvent/isComplete + the provider framework's three
+        "AWS::Lambda::Function": 6,  # onEvent/isComplete, the build watcher, the provider framework's three
+        "AWS::Lambda::Permission": 1,  # EventBridge → build watcher
+        "AWS::Events::Rule": 1,
         "AWS::StepFunctions::StateMachine": 1,
-        "AWS::IAM::Role": 8,
+        "AWS::IAM::Role": 9,
         "AWS::IAM::Policy": 8,
-        "AWS::Logs::LogGroup": 6,  # two builds, two handlers, provider, waiter
+        "AWS::Logs::LogGroup": 7,  # two builds, three handlers, provider, waiter
     },
     "CpuStack": {
-        "Custom::ImageBuild": 1,
         "Custom::ModelStaging": 1,
+        "Custom::ImageBuild": 1,
+        "AWS::CloudFormation::WaitConditionHandle": 1,
+        "AWS::CloudFormation::WaitCondition": 1,
+        "Custom::DeployedImage": 1,
+        "Custom::PostDeployCheck": 1,
+        "AWS::SSM::Parameter": 1,
         "AWS::IAM::Role": 1,
         "AWS::IAM::Policy": 1,
-        "AWS::KMS::Key": 1,
+        "AWS::KMS::Key": 2,  # the ML volume and the alarm topic
+        "AWS::SNS::Topic": 1,
+        "AWS::SNS::TopicPolicy": 1,
         "AWS::Logs::LogGroup": 1,
         "AWS::SageMaker::Model": 1,
         "AWS::SageMaker::EndpointConfig": 1,
         "AWS::SageMaker::Endpoint": 1,
         "AWS::ApplicationAutoScaling::ScalableTarget": 1,
         "AWS::ApplicationAutoScaling::ScalingPolicy": 1,
-        "AWS::CloudWatch::Alarm": 3,
+        "AWS::CloudWatch::Alarm": 6,
         "AWS::CloudWatch::Dashboard": 1,
     },
 }
 # The GPU stack is the CPU stack minus the volume key (NVMe instance storage).
-EXPECTED_RESOURCES["GpuStack"] = {
-    k: v for k, v in EXPECTED_RESOURCES["CpuStack"].items() if k != "AWS::KMS::Key"
-}
+EXPECTED_RESOURCES["GpuStack"] = {**EXPECTED_RESOURCES["CpuStack"], "AWS::KMS::Key": 1}
+
+
+def _listify(value):
+    return value if isinstance(value, list) else [value]
+
+
+def _logical_id(template, cfn_type):
+    (logical_id,) = resources(template, cfn_type)
+    return logical_id
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -66,21 +84,36 @@ def test_templates_are_environment_agnostic(synth, stack):
 # --- ImageStack -----------------------------------------------------------------------------------
 
 
-def test_repository_is_immutable_scanned_encrypted_with_lifecycle(synth):
+def test_image_stack_has_termination_protection_and_endpoint_stacks_do_not(synth):
+    """Fn::GetStackOutput is a weak reference: nothing else would stop ImageStack's deletion."""
+    manifest = json.loads((synth.outdir / "manifest.json").read_text())["artifacts"]
+    assert manifest["ImageStack"]["properties"]["terminationProtection"] is True
+    assert not manifest["CpuStack"]["properties"].get("terminationProtection")
+    assert not manifest["GpuStack"]["properties"].get("terminationProtection")
+
+
+def test_repository_is_immutable_scanned_encrypted_and_never_expires_deployed_images(synth):
     repo = only(synth.templates["ImageStack"], "AWS::ECR::Repository")
     props = repo["Properties"]
     assert props["ImageTagMutability"] == "IMMUTABLE"
     assert props["ImageScanningConfiguration"] == {"ScanOnPush": True}
     assert props["EncryptionConfiguration"] == {"EncryptionType": "AES256"}
     assert repo["DeletionPolicy"] == "Retain"
-    rules = json.loads(props["LifecyclePolicy"]["LifecyclePolicyText"])["rules"]
-    by_priority = sorted(rules, key=lambda r: r["rulePriority"])
-    assert by_priority[-1]["selection"]["tagStatus"] == "any", (
-        "the ANY rule must have the highest priority number"
+    rules = sorted(
+        json.loads(props["LifecyclePolicy"]["LifecyclePolicyText"])["rules"], key=lambda r: r["rulePriority"]
     )
+    # keep-<digest> first: an image a higher-priority rule selects cannot be expired by a lower one
+    first = rules[0]["selection"]
+    assert first == {
+        "tagStatus": "tagged",
+        "tagPrefixList": ["keep-"],
+        "countType": "imageCountMoreThan",
+        "countNumber": 10_000,
+    }
+    assert rules[-1]["selection"]["tagStatus"] == "any", "the ANY rule must have the highest priority number"
     assert {r["selection"]["tagStatus"] for r in rules} == {"untagged", "tagged", "any"}
     prefixes = {p for r in rules for p in r["selection"].get("tagPrefixList", [])}
-    assert prefixes == {"cpu-", "cuda-"}
+    assert prefixes == {"keep-", "cpu-", "cuda-"}
 
 
 def test_artifacts_bucket_is_encrypted_private_versioned_logged(synth):
@@ -123,81 +156,197 @@ def _projects(synth):
     return image["Properties"], model["Properties"]
 
 
-def test_image_build_project_is_privileged_large_inline_buildspec(synth):
+def test_image_project_never_combines_the_local_cache_with_2xlarge(synth):
+    """CodeBuild does not support local caching on BUILD_GENERAL1_2XLARGE: the project default is
+    LARGE with the Docker layer cache; 2XLARGE builds switch it off at StartBuild (handler test)."""
     image, _ = _projects(synth)
+    assert image["Cache"] == {"Type": "LOCAL", "Modes": ["LOCAL_DOCKER_LAYER_CACHE"]}
+    assert image["Environment"]["ComputeType"] == "BUILD_GENERAL1_LARGE"
     assert image["Environment"]["PrivilegedMode"] is True
-    assert image["Environment"]["ComputeType"] == "BUILD_GENERAL1_2XLARGE"
     assert image["Environment"]["Image"].startswith("aws/codebuild/standard:7.0")
-    assert image["TimeoutInMinutes"] == 110 and image["QueuedTimeoutInMinutes"] == 60
     assert image["EncryptionKey"]
     assert image["LogsConfig"]["CloudWatchLogs"]["Status"] == "ENABLED"
-    spec = image["Source"]["BuildSpec"]
+    spec = yaml.safe_load(image["Source"]["BuildSpec"])
     assert image["Source"]["Type"] == "NO_SOURCE"  # source comes with each build (S3 asset)
-    assert '--build-arg VARIANT="$VARIANT"' in spec
-    assert "IMAGE_DIGEST" in spec and "latest" not in spec
+    assert spec["env"]["variables"]["DOCKER_BUILDKIT"] == "1"
+    text = image["Source"]["BuildSpec"]
+    assert '--build-arg VARIANT="$VARIANT"' in text and "WAIT_HANDLE_URL" in text
+    assert "IMAGE_DIGEST" in text and "latest" not in text
 
 
-def test_model_staging_project_verifies_size_and_sha256(synth):
+def test_model_staging_project_verifies_size_and_sha256_within_its_budget(synth):
     _, model = _projects(synth)
     spec = model["Source"]["BuildSpec"]
     assert model["Environment"].get("PrivilegedMode") in (None, False)
     assert "MODEL_SIZE_BYTES" in spec and "sha256sum --check --strict" in spec
     assert "huggingface.co/${MODEL_REPOSITORY}/resolve/${MODEL_REVISION}/${MODEL_FILE}" in spec
+    pinned = synth.decider.config.model
+    assert model["TimeoutInMinutes"] == pinned.staging_timeout_minutes
+    assert model["QueuedTimeoutInMinutes"] == pinned.staging_queued_timeout_minutes
 
 
-def _policy_actions(template, path_part: str) -> set[str]:
+def _policy(template, path_part: str) -> list[dict]:
     (policy,) = [
         p
         for p in resources(template, "AWS::IAM::Policy").values()
         if path_part in p["Metadata"]["aws:cdk:path"]
     ]
-    return {a for s in policy["Properties"]["PolicyDocument"]["Statement"] for a in _listify(s["Action"])}
+    return policy["Properties"]["PolicyDocument"]["Statement"]
+
+
+def _actions(statements) -> set[str]:
+    return {a for s in statements for a in _listify(s["Action"])}
 
 
 def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
-    """image.yml reads the digest with describe-images; on_event starts builds, is_complete polls them."""
     template = synth.templates["ImageStack"]
-    assert "ecr:DescribeImages" in _policy_actions(template, "/Builds/ImageBuild/Role/")
-    build_calls = ("codebuild:", "ecr:")
-    on_event = _policy_actions(template, "/BuildRunner/OnEvent/")
-    is_complete = _policy_actions(template, "/BuildRunner/IsComplete/")
-    assert {a for a in on_event if a.startswith(build_calls)} == {
+    assert "ecr:DescribeImages" in _actions(_policy(template, "/Builds/ImageBuild/Role/"))
+    aws_calls = ("codebuild:", "ecr:", "ssm:", "cloudformation:", "sagemaker:")
+    on_event = _policy(template, "/BuildRunner/OnEvent/")
+    is_complete = _policy(template, "/BuildRunner/IsComplete/")
+    assert {a for a in _actions(on_event) if a.startswith(aws_calls)} == {
         "codebuild:StartBuild",
         "ecr:DescribeImages",
+        "ecr:BatchGetImage",  # keep-<digest>: read the manifest …
+        "ecr:PutImage",  # … and put it again under the new tag
+        "ssm:GetParameter",  # the deployed-image record
+        "cloudformation:DescribeStacks",  # the post-deploy check skips rollbacks
     }
-    assert {a for a in is_complete if a.startswith(build_calls)} == {
+    assert {a for a in _actions(is_complete) if a.startswith(aws_calls)} == {
         "codebuild:BatchGetBuilds",
         "codebuild:StopBuild",
+        "codebuild:StartBuild",  # AccountLimitExceededException retries
+        "codebuild:ListBuildsForProject",
+        "sagemaker:DescribeEndpoint",
+        "sagemaker:InvokeEndpoint",
     }
+    records = json.dumps(next(s for s in on_event if s.get("Sid") == "ReadDeployedImageRecords")["Resource"])
+    assert (
+        "parameter/decider/decider-cpu/image" in records and "parameter/decider/decider-gpu/image" in records
+    )
+    endpoints = json.dumps(
+        next(s for s in is_complete if s.get("Sid") == "CheckDeployedEndpoints")["Resource"]
+    )
+    assert "endpoint/decider-cpu" in endpoints and "endpoint/decider-gpu" in endpoints
+    assert "endpoint/*" not in endpoints
 
 
-def test_build_handlers_and_waiter_are_logged_and_bounded(synth):
+def test_handlers_watcher_and_waiter_are_logged_and_bounded(synth):
     template = synth.templates["ImageStack"]
-    ours = [
-        f["Properties"]
+    functions = {
+        f["Properties"]["Handler"]: f["Properties"]
         for f in resources(template, "AWS::Lambda::Function").values()
-        if f["Properties"].get("Handler", "").startswith("codebuild_job.")
-    ]
-    assert sorted(f["Handler"] for f in ours) == ["codebuild_job.is_complete", "codebuild_job.on_event"]
-    assert {f["Runtime"] for f in ours} == {"python3.14"}
+        if not f["Properties"]["Handler"].startswith("framework.")
+    }
+    assert set(functions) == {
+        "codebuild_job.on_event",
+        "codebuild_job.is_complete",
+        "build_watcher.on_build_state_change",
+    }
+    assert {f["Runtime"] for f in functions.values()} == {"python3.14"}
+    # the post-deploy check makes two invocations of up to 60 s each inside one isComplete call
+    assert functions["codebuild_job.is_complete"]["Timeout"] == 300
+    limits = functions["codebuild_job.is_complete"]["Environment"]["Variables"]
+    assert limits == {
+        "POLL_SECONDS": "30",
+        "START_RETRY_MINUTES": str(app_config.BUILD_START_RETRY_MINUTES),
+        "DEADLINE_GRACE_MINUTES": str(app_config.BUILD_DEADLINE_GRACE_MINUTES),
+    }
     machine = only(template, "AWS::StepFunctions::StateMachine")["Properties"]
     assert machine["LoggingConfiguration"]["Level"] == "ALL"
+    # the waiter gives up before CloudFormation's one-hour limit on custom resources
+    definition = json.dumps(machine["DefinitionString"])
+    assert '\\"MaxAttempts\\":110' in definition  # 55 min / 30 s
     groups = resources(template, "AWS::Logs::LogGroup").values()
     assert {g["Properties"]["RetentionInDays"] for g in groups} == {30}
 
 
-# --- endpoint stacks ------------------------------------------------------------------------------
+def test_failed_image_builds_reach_the_watcher(synth):
+    template = synth.templates["ImageStack"]
+    rule = only(template, "AWS::Events::Rule")["Properties"]
+    image_project = next(
+        k
+        for k, v in resources(template, "AWS::CodeBuild::Project").items()
+        if "docker build" in v["Properties"]["Source"]["BuildSpec"]
+    )
+    assert rule["EventPattern"] == {
+        "source": ["aws.codebuild"],
+        "detail-type": ["CodeBuild Build State Change"],
+        "detail": {
+            "build-status": ["FAILED", "FAULT", "STOPPED", "TIMED_OUT"],
+            "project-name": [{"Ref": image_project}],
+        },
+    }
+    (target,) = rule["Targets"]
+    watcher = next(
+        k
+        for k, v in resources(template, "AWS::Lambda::Function").items()
+        if v["Properties"]["Handler"] == "build_watcher.on_build_state_change"
+    )
+    assert target["Arn"] == {"Fn::GetAtt": [watcher, "Arn"]}
+    assert target["RetryPolicy"]["MaximumRetryAttempts"] == 4
+
+
+# --- endpoint stacks: deploy-time requests ----------------------------------------------------------
 
 
 @pytest.mark.parametrize(("stack", "variant"), [("CpuStack", "cpu"), ("GpuStack", "gpu")])
-def test_image_build_request_uses_the_source_hash_never_latest(synth, stack, variant):
+def test_image_build_request_names_tag_buildspec_and_its_wait_condition(synth, stack, variant):
+    template = synth.templates[stack]
+    config = synth.decider.config.variant(variant)
     source_hash = synth.decider.image.source_hash
-    props = only(synth.templates[stack], "Custom::ImageBuild")["Properties"]
-    build_variant = {"cpu": "cpu", "gpu": "cuda"}[variant]
-    assert props["ImageTag"] == f"{build_variant}-{source_hash}"
-    assert props["Variant"] == build_variant
+    build_id = _logical_id(template, "Custom::ImageBuild")
+    props = template["Resources"][build_id]["Properties"]
+    assert props["ServiceTimeout"] == "3600"  # CloudFormation's ceiling for a custom resource
+    assert props["Variant"] == {"cpu": "cpu", "gpu": "cuda"}[variant]
     assert props["SourceKey"] == f"{source_hash}.zip"
-    assert props["ComputeType"] == {"cpu": "BUILD_GENERAL1_LARGE", "gpu": "BUILD_GENERAL1_2XLARGE"}[variant]
+    assert props["ComputeType"] == config.image_build.compute_type
+    assert props["QueuedTimeoutMinutes"] == str(config.image_build.queued_timeout_minutes)
+    assert props["ImageSource"] == "auto"
+    assert props["DeployedImageParameter"] == f"/decider/{config.endpoint_name}/image"
+    assert yaml.safe_load(props["Buildspec"]) == yaml.safe_load(_projects(synth)[0]["Source"]["BuildSpec"])
+    if variant == "cpu":
+        assert props["ImageTag"] == f"cpu-{source_hash}" and props["BuildArgs"] == ""
+    else:  # the CUDA architectures of the allowed GPUs (g6: sm_89) are a build argument and in the tag
+        assert props["BuildArgs"] == "CUDA_ARCHITECTURES=89"
+        assert props["ImageTag"].startswith("cuda-") and props["ImageTag"] != f"cuda-{source_hash}"
+    # the wait condition: its handle goes to the build, it waits queue + build + margin, after the start
+    handle_id = _logical_id(template, "AWS::CloudFormation::WaitConditionHandle")
+    wait_id = _logical_id(template, "AWS::CloudFormation::WaitCondition")
+    wait = template["Resources"][wait_id]
+    assert props["WaitHandle"] == {"Ref": handle_id}
+    assert wait["Properties"] == {
+        "Count": 1,
+        "Handle": {"Ref": handle_id},
+        "Timeout": str(app_config.image_wait_minutes(config.image_build) * 60),
+    }
+    assert int(wait["Properties"]["Timeout"]) <= app_config.WAIT_CONDITION_MAX_S
+    assert build_id in wait["DependsOn"]
+    # the staging runs first: new accounts often run one CodeBuild build at a time
+    staging_id = _logical_id(template, "Custom::ModelStaging")
+    assert staging_id in template["Resources"][build_id]["DependsOn"]
+
+
+def test_a_new_build_input_gets_a_new_handle_and_wait_condition(synth, synth_prebuilt):
+    """Wait conditions cannot be updated and handles must not be reused."""
+    default = synth.templates["CpuStack"]["Resources"]
+    other = synth_prebuilt.templates["CpuStack"]["Resources"]  # other build args and image_source
+    for cfn_type in ("AWS::CloudFormation::WaitConditionHandle", "AWS::CloudFormation::WaitCondition"):
+        assert set(resources({"Resources": default}, cfn_type)).isdisjoint(
+            resources({"Resources": other}, cfn_type)
+        )
+
+
+@pytest.mark.parametrize("stack", ["CpuStack", "GpuStack"])
+def test_the_signalled_image_is_checked_protected_and_served(synth, stack):
+    template = synth.templates[stack]
+    deployed_id = _logical_id(template, "Custom::DeployedImage")
+    wait_id = _logical_id(template, "AWS::CloudFormation::WaitCondition")
+    props = template["Resources"][deployed_id]["Properties"]
+    assert props["Kind"] == "DeployedImage"
+    assert props["WaitData"] == {"Fn::GetAtt": [wait_id, "Data"]}
+    container = only(template, "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]
+    assert container["Image"] == {"Fn::GetAtt": [deployed_id, "ImageUri"]}
 
 
 @pytest.mark.parametrize("stack", ["CpuStack", "GpuStack"])
@@ -210,19 +359,23 @@ def test_model_staging_request_pins_the_production_model(synth, stack):
     assert props["Sha256"] == model.sha256 and len(props["Sha256"]) == 64
     assert props["SizeBytes"] == "3013027808"
     assert props["Prefix"] == f"models/bartowski/Qwen_Qwen3.5-4B-GGUF/{model.revision}/{model.sha256[:12]}/"
+    assert props["TimeoutMinutes"] == str(model.staging_timeout_minutes)
+    assert props["ServiceTimeout"] == "3600"
+    assert "version: 0.2" in props["Buildspec"]
+
+
+# --- endpoint stacks: model, config, endpoint -------------------------------------------------------
 
 
 @pytest.mark.parametrize(("stack", "variant"), [("CpuStack", "cpu"), ("GpuStack", "gpu")])
 def test_model_serves_the_image_by_digest_from_an_uncompressed_prefix(synth, stack, variant):
     template = synth.templates[stack]
-    build_id = next(iter(resources(template, "Custom::ImageBuild")))
-    staging_id = next(iter(resources(template, "Custom::ModelStaging")))
+    staging_id = _logical_id(template, "Custom::ModelStaging")
     model = only(template, "AWS::SageMaker::Model")
     props = model["Properties"]
     assert "ModelName" not in props
     assert props["EnableNetworkIsolation"] is True
     container = props["PrimaryContainer"]
-    assert container["Image"] == {"Fn::GetAtt": [build_id, "ImageUri"]}
     assert container["ModelDataSource"] == {
         "S3DataSource": {
             "S3Uri": {"Fn::GetAtt": [staging_id, "ModelS3Uri"]},
@@ -234,42 +387,60 @@ def test_model_serves_the_image_by_digest_from_an_uncompressed_prefix(synth, sta
     assert container["Environment"] == container_environment(config.variant(variant), config.model)
     gpu_layers = container["Environment"][Settings.env_name("n_gpu_layers")]
     assert gpu_layers == ("-1" if variant == "gpu" else "0")
-    assert any(d.endswith("DefaultPolicy") or "DefaultPolicy" in d for d in model["DependsOn"])
+    assert any("DefaultPolicy" in d for d in model["DependsOn"])
 
 
-def test_cpu_endpoint_config_is_kms_encrypted_with_explicit_timeouts(synth):
+@pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
+def test_replaced_models_and_configs_are_retained_and_tagged_for_prune(synth, stack, name):
+    """After a silent SageMaker rollback the endpoint still runs the old config: never delete it."""
+    template = synth.templates[stack]
+    for cfn_type in ("AWS::SageMaker::Model", "AWS::SageMaker::EndpointConfig"):
+        resource = only(template, cfn_type)
+        assert resource["UpdateReplacePolicy"] == "Retain" and resource["DeletionPolicy"] == "Retain"
+        assert {"Key": "promote:endpoint", "Value": name} in resource["Properties"]["Tags"]
+
+
+def test_cpu_endpoint_config_is_kms_encrypted_with_an_ebs_volume_and_explicit_timeouts(synth):
     template = synth.templates["CpuStack"]
     config = only(template, "AWS::SageMaker::EndpointConfig")["Properties"]
-    key_id = next(iter(resources(template, "AWS::KMS::Key")))
+    volume_key = next(
+        k
+        for k, v in resources(template, "AWS::KMS::Key").items()
+        if "/Decider/VolumeKey/" in v["Metadata"]["aws:cdk:path"]
+    )
     assert "EndpointConfigName" not in config
-    assert config["KmsKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
+    assert config["KmsKeyId"] == {"Fn::GetAtt": [volume_key, "Arn"]}
     (variant,) = config["ProductionVariants"]
-    assert variant["InstanceType"] == "ml.c7i.xlarge"
+    assert variant["InstanceType"] == "ml.c7i.8xlarge"
     assert variant["InitialInstanceCount"] == 2
+    assert variant["VolumeSizeInGB"] == app_config.DEFAULT_EBS_VOLUME_GB  # EBS-backed type
     assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 900
     assert variant["ModelDataDownloadTimeoutInSeconds"] == 900
-    assert "InferenceAmiVersion" not in variant
+    assert "InferenceAmiVersion" not in variant and "InstancePools" not in variant
     assert "DataCaptureConfig" not in config
-    assert only(template, "AWS::KMS::Key")["Properties"]["EnableKeyRotation"] is True
 
 
-def test_gpu_endpoint_config_sets_the_driver_ami_and_no_kms(synth):
+def test_gpu_endpoint_config_sets_the_driver_ami_and_no_kms_or_volume_size(synth):
     config = only(synth.templates["GpuStack"], "AWS::SageMaker::EndpointConfig")["Properties"]
     assert "KmsKeyId" not in config and "EndpointConfigName" not in config
     (variant,) = config["ProductionVariants"]
     assert variant["InstanceType"] == "ml.g6.xlarge"
-    assert variant["InferenceAmiVersion"] == "al2-ami-sagemaker-inference-gpu-3-1"
+    assert variant["InferenceAmiVersion"] == "al2023-ami-sagemaker-inference-gpu-4-1"
+    assert "VolumeSizeInGB" not in variant  # NVMe instance storage: SageMaker refuses it
     assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 900
 
 
 @pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
-def test_endpoint_rolls_out_blue_green_canary_with_alarm_rollback(synth, stack, name):
+def test_endpoint_rolls_out_blue_green_canary_with_alarm_rollback_and_keeps_its_fleet(synth, stack, name):
     template = synth.templates[stack]
     endpoint = only(template, "AWS::SageMaker::Endpoint")
     props = endpoint["Properties"]
     assert props["EndpointName"] == name
-    config_id = next(iter(resources(template, "AWS::SageMaker::EndpointConfig")))
+    config_id = _logical_id(template, "AWS::SageMaker::EndpointConfig")
     assert props["EndpointConfigName"] == {"Fn::GetAtt": [config_id, "EndpointConfigName"]}
+    # an autoscaled fleet keeps its size through an update (not reset to initial_instance_count)
+    assert props["RetainAllVariantProperties"] is True
+    assert "ExcludeRetainedVariantProperties" not in props
     policy = props["DeploymentConfig"]["BlueGreenUpdatePolicy"]
     assert policy["TrafficRoutingConfiguration"] == {
         "Type": "CANARY",
@@ -282,24 +453,80 @@ def test_endpoint_rolls_out_blue_green_canary_with_alarm_rollback(synth, stack, 
     rollback = [
         a["AlarmName"]["Ref"] for a in props["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]
     ]
-    metrics = sorted(alarms[alarm_id]["Properties"]["MetricName"] for alarm_id in rollback)
-    assert metrics == ["Invocation5XXErrors", "ModelLatency"]
+    names = sorted(alarms[alarm_id]["Metadata"]["aws:cdk:path"].split("/")[-2] for alarm_id in rollback)
+    assert names == ["ErrorRate5xx", "ModelLatencyP90"]
+
+
+def _alarms_by_name(template):
+    return {
+        a["Metadata"]["aws:cdk:path"].split("/")[-2]: a["Properties"]
+        for a in resources(template, "AWS::CloudWatch::Alarm").values()
+    }
 
 
 @pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
-def test_alarms_watch_this_endpoint_variant(synth, stack, name):
-    alarms = {
-        a["Properties"]["MetricName"]: a["Properties"]
-        for a in resources(synth.templates[stack], "AWS::CloudWatch::Alarm").values()
+def test_the_rollback_alarm_is_an_error_rate_not_a_single_error(synth, stack, name):
+    alarm = _alarms_by_name(synth.templates[stack])["ErrorRate5xx"]
+    thresholds = synth.decider.config.variant(stack[:3].lower()).alarms
+    assert alarm["Threshold"] == thresholds.error_rate_percent
+    assert alarm["ComparisonOperator"] == "GreaterThanThreshold"
+    assert (alarm["EvaluationPeriods"], alarm["DatapointsToAlarm"]) == (3, 2)
+    metrics = {m["Id"]: m for m in alarm["Metrics"]}
+    expression = next(m for m in alarm["Metrics"] if "Expression" in m)
+    assert expression["Expression"] == (
+        f"IF(server_invocations >= {thresholds.error_rate_min_invocations}, "
+        "100 * server_errors / server_invocations, 0)"
+    )
+    assert expression.get("ReturnData", True) is True
+    errors = metrics["server_errors"]["MetricStat"]
+    assert errors["Metric"]["MetricName"] == "Invocation5XXErrors" and errors["Stat"] == "Sum"
+    assert metrics["server_invocations"]["MetricStat"]["Metric"]["MetricName"] == "Invocations"
+    for metric in ("server_errors", "server_invocations"):
+        dimensions = metrics[metric]["MetricStat"]["Metric"]["Dimensions"]
+        assert {"Name": "EndpointName", "Value": name} in dimensions
+        assert {"Name": "VariantName", "Value": "AllTraffic"} in dimensions
+        assert metrics[metric]["ReturnData"] is False
+
+
+@pytest.mark.parametrize("stack", ["CpuStack", "GpuStack"])
+def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
+    template = synth.templates[stack]
+    topic_id = _logical_id(template, "AWS::SNS::Topic")
+    alarms = _alarms_by_name(template)
+    assert set(alarms) == {
+        "ErrorRate5xx",
+        "ModelLatencyP90",
+        "ErrorRate4xx",
+        "ModelErrorRate",
+        "ModelSetupTime",
+        "MemoryHigh",
     }
-    assert set(alarms) == {"Invocation5XXErrors", "ModelLatency", "MemoryUtilization"}
     for alarm in alarms.values():
-        assert {"Name": "EndpointName", "Value": name} in alarm["Dimensions"]
-        assert {"Name": "VariantName", "Value": "AllTraffic"} in alarm["Dimensions"]
+        assert alarm["AlarmActions"] == [{"Ref": topic_id}]
+        assert alarm["OKActions"] == [{"Ref": topic_id}]
         assert alarm["TreatMissingData"] == "notBreaching"
-    assert alarms["ModelLatency"]["ExtendedStatistic"] == "p90"
-    assert alarms["ModelLatency"]["Threshold"] == 20_000_000  # 20 s in microseconds
-    assert alarms["Invocation5XXErrors"]["Threshold"] == 1
+    assert alarms["ModelLatencyP90"]["ExtendedStatistic"] == "p90"
+    assert alarms["ModelLatencyP90"]["Threshold"] == 20_000_000  # 20 s in microseconds
+    assert alarms["ModelSetupTime"]["MetricName"] == "ModelSetupTime"
+    assert alarms["ModelSetupTime"]["Threshold"] == 900 * 1_000_000
+    assert "Invocation4XXErrors" in json.dumps(alarms["ErrorRate4xx"]["Metrics"])
+    assert "InvocationModelErrors" in json.dumps(alarms["ModelErrorRate"]["Metrics"])
+    topic = template["Resources"][topic_id]["Properties"]
+    assert "KmsMasterKeyId" in topic
+    policy = only(template, "AWS::SNS::TopicPolicy")["Properties"]["PolicyDocument"]["Statement"]
+    assert any(
+        s.get("Principal") == {"Service": "cloudwatch.amazonaws.com"} and s["Action"] == "sns:Publish"
+        for s in policy
+    )
+    assert any(s["Effect"] == "Deny" and "aws:SecureTransport" in json.dumps(s) for s in policy)
+    key = next(
+        v
+        for v in resources(template, "AWS::KMS::Key").values()
+        if "/Notify/Key/" in v["Metadata"]["aws:cdk:path"]
+    )
+    key_statements = key["Properties"]["KeyPolicy"]["Statement"]
+    assert any(s.get("Principal") == {"Service": "cloudwatch.amazonaws.com"} for s in key_statements)
+    assert not resources(template, "AWS::SNS::Subscription")  # no e-mail configured by default
 
 
 @pytest.mark.parametrize(
@@ -307,7 +534,7 @@ def test_alarms_watch_this_endpoint_variant(synth, stack, name):
 )
 def test_autoscaling_tracks_invocations_within_configured_bounds(synth, stack, name, low, high):
     template = synth.templates[stack]
-    endpoint_id = next(iter(resources(template, "AWS::SageMaker::Endpoint")))
+    endpoint_id = _logical_id(template, "AWS::SageMaker::Endpoint")
     target_id, target = next(iter(resources(template, "AWS::ApplicationAutoScaling::ScalableTarget").items()))
     props = target["Properties"]
     assert props["ResourceId"] == f"endpoint/{name}/variant/AllTraffic"
@@ -321,7 +548,8 @@ def test_autoscaling_tracks_invocations_within_configured_bounds(synth, stack, n
     assert tracking["PredefinedMetricSpecification"] == {
         "PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"
     }
-    assert tracking["TargetValue"] == 60
+    variant = synth.decider.config.variant(stack[:3].lower())
+    assert tracking["TargetValue"] == variant.target_invocations_per_instance
 
 
 @pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
@@ -347,24 +575,57 @@ def test_execution_role_is_least_privilege(synth, stack, name):
     assert statements["ListModel"]["Condition"]["StringLike"]["s3:prefix"][0].startswith("models/bartowski/")
     assert f"/aws/sagemaker/Endpoints/{name}" in json.dumps(statements["WriteLogs"]["Resource"])
     assert statements["WriteMetrics"]["Condition"]["StringLike"]["cloudwatch:namespace"]
+    # SageMaker reads the auto-rollback alarms with this role: exactly those two, by ARN
+    alarms = _alarms_by_name(template)
+    alarm_ids = {
+        k
+        for k, v in resources(template, "AWS::CloudWatch::Alarm").items()
+        if v["Metadata"]["aws:cdk:path"].split("/")[-2] in {"ErrorRate5xx", "ModelLatencyP90"}
+    }
+    assert alarms
+    assert statements["ReadRollbackAlarms"]["Action"] == "cloudwatch:DescribeAlarms"
+    assert {r["Fn::GetAtt"][0] for r in statements["ReadRollbackAlarms"]["Resource"]} == alarm_ids
     if stack == "CpuStack":
         assert "kms:CreateGrant" in statements["UseVolumeKey"]["Action"]
     else:
         assert "UseVolumeKey" not in statements
 
 
-def _listify(value):
-    return value if isinstance(value, list) else [value]
+# --- endpoint stacks: after the update --------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
-def test_outputs_name_the_endpoint_role_and_invoke_command(synth, stack, name):
+def test_post_deploy_check_runs_after_the_endpoint_on_the_stacks_config(synth, stack, name):
+    template = synth.templates[stack]
+    endpoint_id = _logical_id(template, "AWS::SageMaker::Endpoint")
+    config_id = _logical_id(template, "AWS::SageMaker::EndpointConfig")
+    check = only(template, "Custom::PostDeployCheck")["Properties"]
+    assert check["Kind"] == "PostDeployCheck" and check["ServiceTimeout"] == "3600"
+    assert check["EndpointName"] == {"Fn::GetAtt": [endpoint_id, "EndpointName"]}
+    assert check["EndpointConfigName"] == {"Fn::GetAtt": [config_id, "EndpointConfigName"]}
+
+
+@pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
+def test_the_deployed_image_is_recorded_after_the_check_for_the_next_deploy(synth, stack, name):
+    template = synth.templates[stack]
+    record = only(template, "AWS::SSM::Parameter")
+    check_id = _logical_id(template, "Custom::PostDeployCheck")
+    assert record["Properties"]["Name"] == f"/decider/{name}/image"
+    assert check_id in record["DependsOn"]
+    value = json.dumps(record["Properties"]["Value"])
+    assert _logical_id(template, "Custom::DeployedImage") in value and "ImageUri" in value
+    assert _logical_id(template, "Custom::ImageBuild") in value and "Source" in value
+
+
+@pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
+def test_outputs_name_the_endpoint_role_image_source_and_invoke_command(synth, stack, name):
     outputs = synth.templates[stack]["Outputs"]
     assert {
         "EndpointName",
         "ExecutionRoleArn",
         "InvokeCommand",
         "ImageUri",
+        "ImageSource",
         "ModelS3Uri",
         "DashboardUrl",
     } <= set(outputs)
@@ -375,7 +636,7 @@ def test_outputs_name_the_endpoint_role_and_invoke_command(synth, stack, name):
     assert "--custom-attributes route=/v1/systemone " in command
     assert "--content-type application/json" in command
     body = json.loads(command.split("--body '", 1)[1].split("' ", 1)[0])
-    assert set(body) == {"state", "questions"}
+    assert list(body) == ["state", "questions"]  # state first: prefix-aware routing keys on it
 
 
 def test_dashboard_covers_traffic_errors_latency_and_gpu(synth):
@@ -396,7 +657,7 @@ def test_dashboard_covers_traffic_errors_latency_and_gpu(synth):
     assert "GPUUtilization" in gpu and "GPUUtilization" not in cpu
 
 
-# --- the CI path: prebuilt image and model ---------------------------------------------------------
+# --- the CI path and the options ---------------------------------------------------------------------
 
 
 def test_prebuilt_image_and_model_skip_the_deploy_time_builds(synth_prebuilt):
@@ -411,21 +672,66 @@ def test_prebuilt_image_and_model_skip_the_deploy_time_builds(synth_prebuilt):
         read = next(s for s in statements if s.get("Sid") == "ReadModel")
         assert json.dumps(read["Resource"]).endswith(':s3:::ci-models/qwen/*"]]}')
     gpu = synth_prebuilt.templates["GpuStack"]
-    assert not resources(gpu, "Custom::ImageBuild")
-    container = only(gpu, "AWS::SageMaker::Model")["Properties"]["PrimaryContainer"]
-    assert container["Image"] == "123456789012.dkr.ecr.eu-west-1.amazonaws.com/decider@sha256:" + "a" * 64
+    assert not resources(gpu, "Custom::ImageBuild") and not resources(
+        gpu, "AWS::CloudFormation::WaitCondition"
+    )
+    image = "123456789012.dkr.ecr.eu-west-1.amazonaws.com/decider@sha256:" + "a" * 64
+    model = only(gpu, "AWS::SageMaker::Model")
+    assert model["Properties"]["PrimaryContainer"]["Image"] == image
+    # the prebuilt image is still checked and protected from the lifecycle before the model exists
+    pinned_id, pinned = next(iter(resources(gpu, "Custom::DeployedImage").items()))
+    assert pinned["Properties"]["ImageUri"] == image
+    assert pinned_id in model["DependsOn"]
+    record = json.dumps(only(gpu, "AWS::SSM::Parameter")["Properties"]["Value"])
+    assert '\\"source\\":\\"pinned\\"' in record
     statements = only(gpu, "AWS::IAM::Policy")["Properties"]["PolicyDocument"]["Statement"]
     pull = json.dumps(next(s for s in statements if s.get("Sid") == "PullImage")["Resource"])
     assert "eu-west-1" in pull and "123456789012:repository/decider" in pull
 
 
-def test_build_args_are_passed_and_change_the_image_tag(synth, synth_prebuilt):
+def test_build_args_and_image_source_are_passed_and_change_the_image_tag(synth, synth_prebuilt):
     build = only(synth_prebuilt.templates["CpuStack"], "Custom::ImageBuild")["Properties"]
     default = only(synth.templates["CpuStack"], "Custom::ImageBuild")["Properties"]
     assert build["BuildArgs"] == "PYTHON_IMAGE=public.ecr.aws/docker/library/python:3.11.14-slim-bookworm"
+    assert build["ImageSource"] == "build"
+    assert build["ComputeType"] == "BUILD_GENERAL1_2XLARGE"
     assert default["BuildArgs"] == ""
     assert build["ImageTag"].startswith("cpu-") and build["ImageTag"] != default["ImageTag"]
     assert len(build["ImageTag"]) == len(default["ImageTag"])
+
+
+def test_without_autoscaling_the_configured_instance_count_applies_on_update(synth_prebuilt):
+    cpu = only(synth_prebuilt.templates["CpuStack"], "AWS::SageMaker::Endpoint")["Properties"]
+    assert cpu["RetainAllVariantProperties"] is True
+    assert cpu["ExcludeRetainedVariantProperties"] == [{"VariantPropertyType": "DesiredInstanceCount"}]
+    assert not resources(synth_prebuilt.templates["CpuStack"], "AWS::ApplicationAutoScaling::ScalableTarget")
+
+
+def test_volume_size_and_alarm_email_when_configured(synth_prebuilt):
+    cpu = synth_prebuilt.templates["CpuStack"]
+    (variant,) = only(cpu, "AWS::SageMaker::EndpointConfig")["Properties"]["ProductionVariants"]
+    assert variant["VolumeSizeInGB"] == 40
+    subscription = only(cpu, "AWS::SNS::Subscription")["Properties"]
+    assert subscription["Protocol"] == "email" and subscription["Endpoint"] == "ops@example.com"
+    assert subscription["TopicArn"] == {"Ref": _logical_id(cpu, "AWS::SNS::Topic")}
+
+
+def test_gpu_instance_pools_provision_timeout_and_prefix_aware_routing(synth_prebuilt):
+    (variant,) = only(synth_prebuilt.templates["GpuStack"], "AWS::SageMaker::EndpointConfig")["Properties"][
+        "ProductionVariants"
+    ]
+    assert "InstanceType" not in variant  # InstancePools replaces it
+    assert variant["InstancePools"] == [
+        {"InstanceType": "ml.g6.2xlarge", "Priority": 1},
+        {"InstanceType": "ml.g6e.2xlarge", "Priority": 2},
+        {"InstanceType": "ml.g5.2xlarge", "Priority": 3},
+    ]
+    assert variant["VariantInstanceProvisionTimeoutInSeconds"] == 1200
+    assert variant["RoutingConfig"] == {
+        "RoutingStrategy": "PREFIX_AWARE",
+        "PrefixAwareRoutingConfig": {"PrefixLength": 2048, "ConcurrencyThreshold": 2},
+    }
+    assert "VolumeSizeInGB" not in variant
 
 
 def test_data_capture_and_linear_routing_when_configured(synth_prebuilt):
@@ -441,8 +747,16 @@ def test_data_capture_and_linear_routing_when_configured(synth_prebuilt):
     gpu = only(synth_prebuilt.templates["GpuStack"], "AWS::SageMaker::Endpoint")["Properties"]
     routing = gpu["DeploymentConfig"]["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"]
     assert routing["Type"] == "LINEAR" and routing["LinearStepSize"] == {"Type": "INSTANCE_COUNT", "Value": 1}
-    gpu_config = only(synth_prebuilt.templates["GpuStack"], "AWS::SageMaker::EndpointConfig")["Properties"]
-    assert gpu_config["ProductionVariants"][0]["InstanceType"] == "ml.g6.2xlarge"
     # autoscaling off (the first step of an instance-type change): no scalable target at all
     assert not resources(synth_prebuilt.templates["GpuStack"], "AWS::ApplicationAutoScaling::ScalableTarget")
-    assert resources(synth_prebuilt.templates["CpuStack"], "AWS::ApplicationAutoScaling::ScalableTarget")
+
+
+def test_preflight_checks_the_bootstrap_version_the_templates_require(synth):
+    from tools.preflight.checks import MIN_BOOTSTRAP_VERSION
+
+    manifest = json.loads((synth.outdir / "manifest.json").read_text())["artifacts"]
+    for stack in STACKS:
+        assert manifest[stack]["properties"]["requiresBootstrapStackVersion"] == MIN_BOOTSTRAP_VERSION
+        rule = synth.templates[stack]["Rules"]["CheckBootstrapVersion"]["Assertions"][0]
+        refused = rule["Assert"]["Fn::Not"][0]["Fn::Contains"][0]
+        assert refused == [str(v) for v in range(1, MIN_BOOTSTRAP_VERSION)]

@@ -6,7 +6,8 @@
     infra-diff --save-baseline .baseline/      # then later: infra-diff --baseline .baseline/
 
 Exit status: 0 (no differences, or differences without --fail-on-change), 1 (differences with
---fail-on-change), 2 (bad usage, a revision that does not exist, or a synthesis failure).
+--fail-on-change, or warnings with --fail-on-warning), 2 (bad usage, a revision that does not exist,
+or a synthesis failure).
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stack", action="append", default=[], help="only these stacks (repeat)")
     parser.add_argument(
         "--fail-on-change", action="store_true", help="exit 1 when anything differs (CI gate)"
+    )
+    parser.add_argument(
+        "--fail-on-warning",
+        action="store_true",
+        help="exit 1 when a change would be refused by the service (e.g. an autoscaled instance-type change)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     parser.add_argument(
@@ -168,6 +174,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps({"base": base_label, "head": head_label, **report.to_json()}, indent=1, default=str))
     else:
         show_report(console, report, title=f"infra-diff: {base_label} → {head_label}")
+    if report.warnings and args.fail_on_warning:
+        return EXIT_CHANGED
     return EXIT_CHANGED if report.has_changes and args.fail_on_change else EXIT_OK
 
 

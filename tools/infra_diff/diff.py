@@ -111,11 +111,22 @@ class SectionChange:
 
 
 @dataclass
+class Refusal:
+    """A change the service will refuse as one deploy, and what to do instead."""
+
+    stack: str
+    logical_id: str
+    code: str
+    message: str
+
+
+@dataclass
 class Report:
     resources: list[ResourceChange] = field(default_factory=list)
     sections: list[SectionChange] = field(default_factory=list)
     stacks_added: list[str] = field(default_factory=list)
     stacks_removed: list[str] = field(default_factory=list)
+    warnings: list[Refusal] = field(default_factory=list)
 
     @property
     def has_changes(self) -> bool:
@@ -136,6 +147,7 @@ class Report:
             "stacks_removed": self.stacks_removed,
             "resources": [asdict(r) for r in self.resources],
             "sections": [asdict(s) for s in self.sections],
+            "warnings": [asdict(w) for w in self.warnings],
         }
 
 
@@ -403,6 +415,103 @@ def diff_stack(
     return sorted(by_id.values(), key=lambda c: (order[c.action], c.logical_id)), sections
 
 
+SCALING_UPDATE_STEPS = (
+    "SageMaker fails UpdateEndpoint when it changes the instance type of (or removes) a variant that is "
+    'registered with Application Auto Scaling (SageMaker, "Update endpoints that use auto scaling"). '
+    "Deploy in three steps: 1) -c {variant}.autoscaling=false (deregisters the variant), 2) the new "
+    "instance type with autoscaling still off, 3) -c {variant}.autoscaling=true"
+)
+
+
+def _literal(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _variant_instance_types(config: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """VariantName → the instance types it may run on (InstanceType, or its InstancePools in order)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for variant in config.get("Properties", {}).get("ProductionVariants", []) or []:
+        name = _literal(variant.get("VariantName"))
+        if name is None:
+            continue
+        pools = variant.get("InstancePools") or []
+        types = tuple(str(p.get("InstanceType")) for p in pools) or (str(variant.get("InstanceType")),)
+        out[name] = types
+    return out
+
+
+def _scaled_variants(template: dict[str, Any]) -> set[tuple[str, str]]:
+    """(endpoint name, variant name) pairs registered with Application Auto Scaling in a template."""
+    found = set()
+    for resource in template.get("Resources", {}).values():
+        if resource.get("Type") != "AWS::ApplicationAutoScaling::ScalableTarget":
+            continue
+        props = resource.get("Properties", {})
+        if props.get("ScalableDimension") != "sagemaker:variant:DesiredInstanceCount":
+            continue
+        match = re.fullmatch(r"endpoint/([^/]+)/variant/([^/]+)", _literal(props.get("ResourceId")) or "")
+        if match:
+            found.add((match[1], match[2]))
+    return found
+
+
+def _endpoint_configs(template: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Endpoint logical id → (endpoint name, endpoint-config logical id), for literal names."""
+    out = {}
+    for logical_id, resource in template.get("Resources", {}).items():
+        if resource.get("Type") != "AWS::SageMaker::Endpoint":
+            continue
+        props = resource.get("Properties", {})
+        name = _literal(props.get("EndpointName"))
+        targets = [t for t, _ in references(props.get("EndpointConfigName"))]
+        if name and len(targets) == 1:
+            out[logical_id] = (name, targets[0])
+    return out
+
+
+def refusals(stack: str, old: dict[str, Any], new: dict[str, Any]) -> list[Refusal]:
+    """Changes SageMaker refuses as one update: today, an instance-type change (or a removed variant)
+    on a variant the *deployed* template registered with Application Auto Scaling. Removing the
+    scalable target in the same deploy does not help: CloudFormation deletes it only after the update."""
+    scaled = _scaled_variants(old)
+    if not scaled:
+        return []
+    old_endpoints, new_endpoints = _endpoint_configs(old), _endpoint_configs(new)
+    found = []
+    for logical_id, (name, new_config_id) in new_endpoints.items():
+        if logical_id not in old_endpoints or old_endpoints[logical_id][0] != name:
+            continue
+        before = _variant_instance_types(old["Resources"][old_endpoints[logical_id][1]])
+        after = _variant_instance_types(new["Resources"].get(new_config_id, {}))
+        for variant, types in sorted(before.items()):
+            if (name, variant) not in scaled:
+                continue
+            key = _variant_key(name)
+            if variant not in after:
+                change = f"removes variant {name}/{variant}"
+            elif after[variant] != types:
+                was, now = ", ".join(types), ", ".join(after[variant])
+                change = f"changes the instance type of {name}/{variant} ({was} → {now})"
+            else:
+                continue
+            found.append(
+                Refusal(
+                    stack,
+                    new_config_id,
+                    "autoscaled_instance_type_change",
+                    f"{change} while it is registered with Application Auto Scaling. "
+                    + SCALING_UPDATE_STEPS.format(variant=key),
+                )
+            )
+    return found
+
+
+def _variant_key(endpoint_name: str) -> str:
+    """The cdk.json key (`cpu` / `gpu`) an endpoint name suggests, else a placeholder."""
+    lowered = endpoint_name.lower()
+    return next((key for key in ("gpu", "cpu") if key in lowered), "<variant>")
+
+
 def diff_templates(old: Templates, new: Templates, stacks: list[str] | None = None) -> Report:
     report = Report()
     names = sorted(set(old) | set(new))
@@ -416,4 +525,5 @@ def diff_templates(old: Templates, new: Templates, stacks: list[str] | None = No
         resources, sections = diff_stack(stack, old.get(stack, {}), new.get(stack, {}))
         report.resources.extend(resources)
         report.sections.extend(sections)
+        report.warnings.extend(refusals(stack, old.get(stack, {}), new.get(stack, {})))
     return report

@@ -92,7 +92,8 @@ def show_summary(console: Console, report: Report) -> None:
     console.print(
         f"\n[bold]Summary:[/] {counts['add']} added, {counts['remove']} removed, "
         f"{counts['modify']} modified, {counts['replace']} replaced, "
-        f"{len(report.iam_changes)} IAM-relevant, {len(report.sections)} section changes",
+        f"{len(report.iam_changes)} IAM-relevant, {len(report.sections)} section changes, "
+        f"{len(report.warnings)} warning(s)",
         soft_wrap=True,
     )
     for change in report.replacements:
@@ -108,5 +109,11 @@ def show_summary(console: Console, report: Report) -> None:
     for change in report.iam_changes:
         console.print(
             f"  [magenta]IAM[/] {change.action} {change.stack}/{change.logical_id} ({change.type})",
+            soft_wrap=True,
+        )
+    for warning in report.warnings:
+        console.print(
+            f"  [bold yellow]WARNING[/] {warning.stack}/{warning.logical_id} {escape(f'[{warning.code}]')}: "
+            f"{escape(warning.message)}",
             soft_wrap=True,
         )

@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(rollback)
     _add_wait_options(rollback, default_timeout=60)
     rollback.add_argument(
+        "--no-revert-on-smoke-failure",
+        action="store_true",
+        help="leave the rollback target live when its smoke tests fail",
+    )
+    rollback.add_argument(
         "--force", action="store_true", help="break-glass: act on a CloudFormation-managed endpoint"
     )
 
@@ -222,39 +227,45 @@ def cmd_apply(clients: AwsClients, args: argparse.Namespace) -> int:
         )
     deploy_config = deploy.deployment_config(settings)
 
+    _protect(clients, promotion.image)
     for created in deploy.ensure_resources(clients.sagemaker, promotion):
         console.print(f"created {created}")
+    previous = endpoint.config_name
     deploy.start_update(clients.sagemaker, endpoint.name, promotion.config_name, deploy_config)
     console.print(
         f"UpdateEndpoint started: canary {settings.canary_percent}% for {settings.wait_minutes} min, "
         f"auto-rollback on {', '.join(settings.alarms) or 'nothing'}"
     )
     outcome = _wait(clients, endpoint.name, promotion.config_name, settings.alarms, args)
-    _raise_unless_succeeded(outcome, endpoint.name)
-    deploy.record_rollback_target(clients.sagemaker, endpoint.arn, endpoint.config_name)
-    console.print(
-        f"[green]Live[/]: {endpoint.name} runs {promotion.config_name}; "
-        f"rollback target {endpoint.config_name}"
-    )
-    if args.skip_smoke:
-        return EXIT_OK
-    if _smoke_passes(clients, endpoint.name):
+    _raise_unless_succeeded(outcome, endpoint.name)  # alarm rollback or timeout: no tag is touched
+    console.print(f"[green]Live[/]: {endpoint.name} runs {promotion.config_name}")
+    # The rollback target is recorded only once the new config has proved itself (or is left live
+    # on purpose): a failed apply must never make itself the target of `promote rollback`.
+    if args.skip_smoke or _smoke_passes(clients, endpoint.name):
+        _record_target(clients, endpoint, previous)
         return EXIT_OK
     if args.no_rollback_on_smoke_failure:
+        _record_target(clients, endpoint, previous)
         raise DeploymentFailedError(
             "smoke_failed",
             "smoke tests failed; new config left live as asked",
-            hint=f"promote rollback --endpoint {endpoint.name}",
+            hint=f"promote rollback --endpoint {endpoint.name}  (returns to {previous})",
         )
-    console.print(f"Smoke tests failed: rolling back to {endpoint.config_name}")
-    deploy.start_update(clients.sagemaker, endpoint.name, endpoint.config_name, None)
-    back = _wait(clients, endpoint.name, endpoint.config_name, (), args)
-    if back.succeeded:
-        deploy.record_rollback_target(clients.sagemaker, endpoint.arn, promotion.config_name)
+    console.print(f"Smoke tests failed: reverting to {previous}")
+    deploy.start_update(clients.sagemaker, endpoint.name, previous, None)
+    back = _wait(clients, endpoint.name, previous, (), args)
+    if not back.succeeded:  # still on (or near) the failed config: let `promote rollback` finish the job
+        _record_target(clients, endpoint, previous)
+        raise DeploymentFailedError(
+            "revert_failed",
+            f"smoke tests failed on {promotion.config_name} and the revert to {previous} did not "
+            f"complete ({back.status})",
+            hint=f"promote rollback --endpoint {endpoint.name}  (returns to {previous})",
+        )
     raise DeploymentFailedError(
         "smoke_failed",
-        f"smoke tests failed on {promotion.config_name}; rolled back to "
-        f"{endpoint.config_name} ({back.status})",
+        f"smoke tests failed on {promotion.config_name}; reverted to {previous}, which is live again "
+        "(the rollback target is unchanged)",
     )
 
 
@@ -274,18 +285,48 @@ def cmd_rollback(clients: AwsClients, args: argparse.Namespace) -> int:
         console.print(f"[green]Already on the rollback target[/] {target}.")
         return EXIT_OK
     live.require_config(clients.sagemaker, target)
+    left = endpoint.config_name
     deploy.start_update(clients.sagemaker, endpoint.name, target, None)
-    console.print(f"UpdateEndpoint started: {endpoint.config_name} → {target} (blue/green, all at once)")
+    console.print(f"UpdateEndpoint started: {left} → {target} (blue/green, all at once)")
     outcome = _wait(clients, endpoint.name, target, (), args)
     _raise_unless_succeeded(outcome, endpoint.name)
-    deploy.record_rollback_target(clients.sagemaker, endpoint.arn, endpoint.config_name)
-    console.print(
-        f"[green]Rolled back[/]: {endpoint.name} runs {target}; `promote rollback` again returns to "
-        f"{endpoint.config_name}"
-    )
     if args.skip_smoke or _smoke_passes(clients, endpoint.name):
+        _record_target(clients, endpoint, left)
+        console.print(
+            f"[green]Rolled back[/]: {endpoint.name} runs {target}; `promote rollback` again returns "
+            f"to {left}"
+        )
         return EXIT_OK
-    raise DeploymentFailedError("smoke_failed", f"smoke tests failed after rolling back to {target}")
+    if args.no_revert_on_smoke_failure:
+        _record_target(clients, endpoint, left)
+        raise DeploymentFailedError(
+            "smoke_failed", f"smoke tests failed after rolling back to {target}; left live as asked"
+        )
+    console.print(f"Smoke tests failed on {target}: returning to {left}")
+    deploy.start_update(clients.sagemaker, endpoint.name, left, None)
+    back = _wait(clients, endpoint.name, left, (), args)
+    if not back.succeeded:
+        _record_target(clients, endpoint, left)
+        raise DeploymentFailedError(
+            "revert_failed",
+            f"smoke tests failed on {target} and the return to {left} did not complete ({back.status})",
+            hint=f"promote rollback --endpoint {endpoint.name}  (returns to {left})",
+        )
+    raise DeploymentFailedError(
+        "smoke_failed",
+        f"smoke tests failed on the rollback target {target}; returned to {left}, which is live again",
+    )
+
+
+def _record_target(clients: AwsClients, endpoint: live.LiveEndpoint, config_name: str) -> None:
+    deploy.record_rollback_target(clients.sagemaker, endpoint.arn, config_name)
+    console.print(f"rollback target: {config_name}")
+
+
+def _protect(clients: AwsClients, image: str) -> None:
+    """Tag the promoted image keep-<digest> so the ECR lifecycle never expires it (best effort)."""
+    note = deploy.protect_image(clients.ecr, image)
+    console.print(note if note.startswith("kept") else f"[yellow]warning[/]: {escape(note)}")
 
 
 def cmd_smoke(clients: AwsClients, args: argparse.Namespace) -> int:
@@ -302,8 +343,17 @@ def cmd_status(clients: AwsClients, args: argparse.Namespace) -> int:
 def cmd_prune(clients: AwsClients, args: argparse.Namespace) -> int:
     if args.keep < 0:
         raise PromoteError("bad_keep", "--keep must be ≥ 0")
-    endpoint = live.describe_endpoint(clients.sagemaker, args.endpoint)
-    plan = plan_prune(clients.sagemaker, endpoint, args.keep)
+    try:
+        endpoint: live.LiveEndpoint | None = live.describe_endpoint(clients.sagemaker, args.endpoint)
+    except PromoteError as exc:
+        if exc.code != "endpoint_not_found":
+            raise
+        endpoint = None
+        console.print(
+            f"endpoint {args.endpoint} does not exist: pruning the models and configs it left "
+            "(a deleted stack retains them)"
+        )
+    plan = plan_prune(clients.sagemaker, args.endpoint, endpoint, args.keep)
     render.show_prune(console, plan, dry_run=args.dry_run)
     if not args.dry_run:
         execute_prune(clients.sagemaker, plan)

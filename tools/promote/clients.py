@@ -45,11 +45,12 @@ class AwsClients:
     sagemaker: Any
     runtime: Any
     cloudwatch: Any
+    ecr: Any
     region: str
 
 
 def make_clients(region: str | None, profile: str | None) -> AwsClients:
-    """Build the three clients from one session; errors become PromoteError with a hint."""
+    """Build the clients from one session; errors become PromoteError with a hint."""
     try:
         core = botocore.session.Session(profile=profile)
         core.register_component("data_loader", _shared_loader())
@@ -64,6 +65,7 @@ def make_clients(region: str | None, profile: str | None) -> AwsClients:
             sagemaker=session.client("sagemaker", config=CONTROL_PLANE_CONFIG),
             runtime=session.client("sagemaker-runtime", config=RUNTIME_CONFIG),
             cloudwatch=session.client("cloudwatch", config=CONTROL_PLANE_CONFIG),
+            ecr=session.client("ecr", config=CONTROL_PLANE_CONFIG),
             region=session.region_name,
         )
     except ProfileNotFound as exc:

@@ -11,6 +11,7 @@ from botocore.exceptions import ClientError
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from stacks.handlers import image_retention
 from tools.promote.errors import PromoteError
 from tools.promote.guards import alarm_states
 from tools.promote.live import TAG_ENDPOINT, TAG_ROLLBACK, describe_config, describe_model
@@ -109,6 +110,23 @@ def start_update(
     if deploy_config is not None:
         kwargs["DeploymentConfig"] = deploy_config
     sagemaker.update_endpoint(**kwargs)
+
+
+def protect_image(ecr: Any, image: str) -> str:
+    """Tag the image `keep-<digest>` so that an ECR lifecycle rule on `keep-` never expires it while a
+    config references it (ImageStack's repository has that rule first). Best effort: returns what
+    happened, one line; never raises for an image it cannot tag."""
+    try:
+        ref = image_retention.parse_image_uri(image)
+    except ValueError:
+        return f"{image} is not a private ECR image by digest; not protected from lifecycle rules"
+    try:
+        added = image_retention.protect_image(ecr, ref)
+    except image_retention.ImageNotFoundError as exc:
+        return f"could not protect {image} from lifecycle rules: {exc}"
+    except ClientError as exc:
+        return f"could not tag {image} {ref.keep_tag}: {exc.response.get('Error', {}).get('Code', exc)}"
+    return f"kept {image} out of lifecycle rules: tag {ref.keep_tag}" + ("" if added else " (already there)")
 
 
 def record_rollback_target(sagemaker: Any, endpoint_arn: str, config_name: str) -> None:

@@ -7,10 +7,11 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from stacks.config import ENDPOINT_TAG
 from tools.promote.errors import PromoteError
 
-# Tags written by `promote apply` / `promote rollback`.
-TAG_ENDPOINT = "promote:endpoint"  # on models and configs promote created: which endpoint they belong to
+# Tags written by `promote apply` / `promote rollback` (and, for TAG_ENDPOINT, by the stacks too).
+TAG_ENDPOINT = ENDPOINT_TAG  # on models and configs: which endpoint they belong to
 TAG_ROLLBACK = "promote:rollback-config"  # on the endpoint: the config `promote rollback` returns to
 CFN_STACK_TAG = "aws:cloudformation:stack-name"
 

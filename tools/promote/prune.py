@@ -1,8 +1,11 @@
-"""Deleting old endpoint configs and models that `promote` created for an endpoint.
+"""Deleting old endpoint configs and models of an endpoint: the ones `promote apply` created, and the
+ones the stacks retained (replaced models and configs keep UpdateReplacePolicy/DeletionPolicy Retain,
+so an endpoint that SageMaker rolled back still has its config).
 
-Only resources tagged `promote:endpoint=<endpoint>` are candidates (CloudFormation cleans up its own).
-Never deleted: the config the endpoint runs, a pending config, the rollback target, a config any other
-endpoint runs, and any model a surviving config references.
+Only resources tagged `promote:endpoint=<endpoint>` are candidates. Never deleted: the config the
+endpoint runs, a pending config, the rollback target, a config any other endpoint runs, and any
+model a surviving config references. An endpoint that no longer exists (its stack was deleted)
+protects nothing of its own, so everything tagged for it beyond `--keep` goes.
 """
 
 from __future__ import annotations
@@ -45,63 +48,79 @@ def _configs_in_use_elsewhere(sagemaker: Any, endpoint: str) -> dict[str, str]:
     return in_use
 
 
-def _list(sagemaker: Any, operation: str, key: str, name_contains: str) -> list[dict[str, Any]]:
+def _list(sagemaker: Any, operation: str, key: str, name_contains: str | None) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
-    for page in sagemaker.get_paginator(operation).paginate(NameContains=name_contains):
+    kwargs = {"NameContains": name_contains} if name_contains else {}
+    for page in sagemaker.get_paginator(operation).paginate(**kwargs):
         items.extend(page.get(key, []))
     return items
 
 
-def plan_prune(sagemaker: Any, endpoint: LiveEndpoint, keep: int) -> PrunePlan:
-    """Decide what to delete; changes nothing."""
-    if endpoint.status in BUSY_STATUSES:
+def _candidates(
+    sagemaker: Any, operation: str, key: str, arn_key: str, name_key: str, endpoint: str, *, everywhere: bool
+) -> list[dict[str, Any]]:
+    """Resources tagged for `endpoint`: promote names them after it; the stacks' generated names do not
+    contain it, so for a stack endpoint (or a deleted one) every resource's tags are read."""
+    listed = {r[name_key]: r for r in _list(sagemaker, operation, key, name_prefix(endpoint))}
+    if everywhere:
+        listed |= {r[name_key]: r for r in _list(sagemaker, operation, key, None)}
+    return _owned(sagemaker, list(listed.values()), arn_key, endpoint)
+
+
+def plan_prune(sagemaker: Any, name: str, endpoint: LiveEndpoint | None, keep: int) -> PrunePlan:
+    """Decide what to delete; changes nothing. `endpoint` is None when it does not exist any more."""
+    if endpoint is not None and endpoint.status in BUSY_STATUSES:
         raise GuardrailError(
             "endpoint_busy",
             f"endpoint {endpoint.name!r} is {endpoint.status}; prune waits for "
             "the update to finish so it cannot delete a config in flight",
         )
-    protected = dict(_configs_in_use_elsewhere(sagemaker, endpoint.name))
-    protected[endpoint.config_name] = "in use"
-    if endpoint.pending_config_name:
-        protected[endpoint.pending_config_name] = "pending deployment"
-    if endpoint.rollback_config:
-        protected[endpoint.rollback_config] = "rollback target"
-
-    # promote names are "<endpoint prefix>-c-<hash>" / "-m-<hash>"; the tag is the authority.
-    prefix = name_prefix(endpoint.name)
-    configs = _owned(
+    protected = dict(_configs_in_use_elsewhere(sagemaker, name))
+    if endpoint is not None:
+        protected[endpoint.config_name] = "in use"
+        if endpoint.pending_config_name:
+            protected[endpoint.pending_config_name] = "pending deployment"
+        if endpoint.rollback_config:
+            protected[endpoint.rollback_config] = "rollback target"
+    everywhere = endpoint is None or endpoint.cfn_stack is not None
+    configs = _candidates(
         sagemaker,
-        _list(sagemaker, "list_endpoint_configs", "EndpointConfigs", prefix),
+        "list_endpoint_configs",
+        "EndpointConfigs",
         "EndpointConfigArn",
-        endpoint.name,
+        "EndpointConfigName",
+        name,
+        everywhere=everywhere,
     )
     configs.sort(key=lambda c: c["CreationTime"], reverse=True)
     plan = PrunePlan()
     kept_unused = 0
     for config in configs:
-        name = config["EndpointConfigName"]
-        if name in protected:
-            plan.keep_configs[name] = protected[name]
+        config_name = config["EndpointConfigName"]
+        if config_name in protected:
+            plan.keep_configs[config_name] = protected[config_name]
         elif kept_unused < keep:
-            plan.keep_configs[name] = f"newest {keep} unused"
+            plan.keep_configs[config_name] = f"newest {keep} unused"
             kept_unused += 1
         else:
-            plan.delete_configs.append(name)
-    for name, why in protected.items():
-        plan.keep_configs.setdefault(name, why)
+            plan.delete_configs.append(config_name)
+    for config_name, why in protected.items():
+        plan.keep_configs.setdefault(config_name, why)
 
     referenced: dict[str, str] = {}
-    for name in plan.keep_configs:
-        described = describe_config(sagemaker, name)
+    for config_name in plan.keep_configs:
+        described = describe_config(sagemaker, config_name)
         for variant in (described or {}).get("ProductionVariants", []):
-            referenced.setdefault(variant["ModelName"], f"used by config {name}")
-    models = _owned(sagemaker, _list(sagemaker, "list_models", "Models", prefix), "ModelArn", endpoint.name)
+            referenced.setdefault(variant["ModelName"], f"used by config {config_name}")
+    models = _candidates(
+        sagemaker, "list_models", "Models", "ModelArn", "ModelName", name, everywhere=everywhere
+    )
     for model in sorted(models, key=lambda m: m["CreationTime"], reverse=True):
-        name = model["ModelName"]
-        if name in referenced:
-            plan.keep_models[name] = referenced[name]
+        model_name = model["ModelName"]
+        if model_name in referenced:
+            plan.keep_models[model_name] = referenced[model_name]
         else:
-            plan.delete_models.append(name)
+            plan.delete_models.append(model_name)
     return plan
 
 

@@ -1,65 +1,46 @@
-"""The decision engine: typed option probabilities from one GGUF model, with shared-state fan-out.
+"""The decision engine: one GGUF model, its verified labels and prompt, decisions and chat as work.
 
-For every question the prompt ends right where the model would write an option's letter. The
-engine reads the logits at that last position, keeps only the option slots, divides by the
-temperature and normalizes: nothing is generated.
+For every question the prompt ends right where the model would write an option's label. The
+engine reads the logits there (and, for labels of several tokens, at one more position per label
+prefix), keeps only the labels' scores, divides by the temperature and normalizes: nothing is
+generated. Planning (`plan_decision`, `plan_batch`, `chat_plan`) tokenizes and checks every
+limit; the resulting `DecisionWork` / `ChatWork` runs on the scheduler's engine thread, batched
+with everything else that is running (see `decider.server.scheduler`).
 
-Shared mode (the default) prefills the tokens that every question's prompt starts with once,
-in sequence 0, then copies that sequence into branch sequences and decodes all branch suffixes
-in one batch per chunk, reading logits only at each suffix's last token, and removes the
-branches. Fresh mode prefills each question's prompt on its own: the reference path.
+`decide(request)` runs one request in-process on a private scheduler (tests, benchmarks).
 """
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+import uuid
 from typing import Any
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from decider.engine import generation
+from decider.engine.decisions import DecisionPlan, DecisionPlanner
+from decider.engine.labels import LabelError, LabelTable, build_label_table
+from decider.engine.markers import CallerText, MarkerError
 from decider.engine.modelfile import display_name, quantization_from_name, resolve_model_file, verify_sha256
-from decider.engine.native import ContextConfig, LlamaRuntime, NativeError, Row
+from decider.engine.native import ContextConfig, LlamaRuntime, NativeError
 from decider.engine.prompt import (
     FALLBACK_TEMPLATES,
-    PROMPT_VERSION,
+    PROMPT_FORMATS,
     ChatTemplate,
     PromptBuilder,
     PromptFrame,
     TemplateUnusableError,
-    payload,
 )
-from decider.engine.readout import (
-    CONFIDENCE_FORMULA,
-    align_to_options,
-    allowed_token_mass,
-    argmax,
-    average_logits,
-    logsumexp,
-    normalized_peak,
-    option_orders,
-    score_expectation,
-    softmax,
-)
-from decider.engine.slots import SlotError, SlotTable, build_slot_table
-from decider.errors import DeadlineExceededError, DeciderError, RequestError, StartupError
+from decider.engine.work import ChatPlan, ChatWork, DecisionWork
+from decider.errors import RequestError, StartupError
 from decider.schemas.decision import (
-    Answer,
-    ChoiceAnswer,
+    BatchDecisionRequest,
+    BatchDecisionResponse,
     DecisionRequest,
     DecisionResponse,
-    NoulAnswer,
-    Question,
-    ScoreAnswer,
-    Usage,
 )
 from decider.settings import Settings
-
-PERMUTATION_SEED = 20240601  # frozen: the same request always sees the same option orders
 
 
 class ModelInfo(BaseModel):
@@ -76,52 +57,36 @@ class ModelInfo(BaseModel):
     architecture: str
     n_ctx: int
     n_seq_max: int
+    n_batch: int
+    n_ubatch: int
+    batch_invariant: bool
     chat_template_source: str
     prompt_version: str
     max_options: int
-    slot_labels: tuple[str, ...]
-
-
-@dataclass
-class _Item:
-    """One prompt to read: a question shown in one option order."""
-
-    question: Question
-    order: tuple[int, ...]
-    tokens: list[int]
-    sha256: str
-    logits: np.ndarray | None = field(default=None, repr=False)
-
-
-@dataclass
-class _RunStats:
-    prefix_tokens: int = 0
-    suffix_tokens: int = 0
-    decodes: int = 0
-    branches: int = 0
-    prefill_seconds: float = 0.0
-    fanout_seconds: float = 0.0
+    slot_labels: tuple[str, ...]  # the single-token labels (questions with up to this many options)
+    markers: dict[str, list[str]]  # token texts caller text never becomes, by source (engine/markers.py)
 
 
 class DecisionEngine:
-    """One model, one llama context, decisions and chat. Not thread-safe: one caller at a time."""
+    """One model, one llama context, decisions and chat."""
 
     def __init__(
         self,
         settings: Settings,
         runtime: LlamaRuntime,
         template: ChatTemplate,
-        builder: PromptBuilder,
-        slots: SlotTable,
+        planner: DecisionPlanner,
         info: ModelInfo,
+        caller: CallerText,
     ) -> None:
         self.settings = settings
         self._rt = runtime
         self._template = template
-        self._builder = builder
-        self._slots = slots
+        self._caller = caller
+        self.planner = planner
         self.model_info = info
         self.max_options = info.max_options
+        self._local: Any = None  # a private scheduler for `decide`, created on first use
 
     # --- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -132,11 +97,12 @@ class DecisionEngine:
         config = ContextConfig(
             n_ctx=settings.n_ctx,
             n_batch=settings.n_batch,
-            n_ubatch=settings.n_ubatch,
+            n_ubatch=settings.micro_batch,
             n_seq_max=settings.n_seq_max,
             n_threads=settings.threads(),
             n_gpu_layers=settings.n_gpu_layers,
             flash_attn=settings.flash_attn,
+            batch_invariant=settings.invariant_batches,
         )
         try:
             runtime = LlamaRuntime(path, config)
@@ -145,19 +111,22 @@ class DecisionEngine:
         try:
             template = _chat_template(runtime, settings)
             frame = PromptFrame.from_template(template)
+            caller = CallerText.for_model(runtime, template, settings.marker_tokens)
             builder = PromptBuilder(
                 frame,
-                lambda text, special: runtime.tokenize(text, special=special),
+                PROMPT_FORMATS[settings.prompt_version],
+                lambda text: runtime.tokenize(text, special=True),
+                caller.tokenize,
                 runtime.bos,
                 runtime.add_bos,
             )
-            slots = build_slot_table(
+            labels = build_label_table(
                 builder,
-                lambda text, special: runtime.tokenize(text, special=special),
+                lambda text: runtime.tokenize(text, special=False),
                 runtime.piece,
                 settings.max_options,
             )
-        except (TemplateUnusableError, SlotError) as exc:
+        except (TemplateUnusableError, LabelError, MarkerError) as exc:
             runtime.close()
             raise StartupError(f"{path.name}: {exc}") from exc
         quantization = runtime.quantization or quantization_from_name(path) or "unknown"
@@ -172,245 +141,98 @@ class DecisionEngine:
             architecture=runtime.architecture,
             n_ctx=runtime.n_ctx,
             n_seq_max=runtime.n_seq_max,
+            n_batch=config.n_batch,
+            n_ubatch=config.n_ubatch,
+            batch_invariant=config.batch_invariant,
             chat_template_source=template.source,
-            prompt_version=PROMPT_VERSION,
-            max_options=len(slots),
-            slot_labels=slots.labels,
+            prompt_version=builder.version,
+            max_options=len(labels),
+            slot_labels=tuple(label.text for label in labels.single),
+            markers=caller.report(),
         )
-        return cls(settings, runtime, template, builder, slots, info)
+        planner = DecisionPlanner(
+            settings,
+            builder,
+            labels,
+            n_ctx=runtime.n_ctx,
+            max_token_bytes=runtime.max_token_bytes(),
+            piece=runtime.piece,
+            model_id=info.id,
+        )
+        return cls(settings, runtime, template, planner, info, caller)
 
     def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+            self._local = None
         self._rt.close()
 
     # --- small helpers -----------------------------------------------------------------------------
-    def count_tokens(self, text: str) -> int:
-        return len(self._rt.tokenize(text, special=False))
-
-    def render_prompt(
-        self, state: Any, instructions: Any, options: list[tuple[str, Any]]
-    ) -> tuple[str, list[int]]:
-        """The exact prompt text and tokens for one question (for tests and audits)."""
-        prompt = self._builder.build(payload(state, instructions, options))
-        return prompt.text, prompt.tokens
-
     @property
     def runtime(self) -> LlamaRuntime:
         return self._rt
 
     @property
-    def slot_table(self) -> SlotTable:
-        return self._slots
+    def label_table(self) -> LabelTable:
+        return self.planner.labels
+
+    @property
+    def head_tokens(self) -> list[int]:
+        return self.planner.builder.head_tokens
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of caller text, as the prompt holds them."""
+        return len(self._caller.tokenize(text))
+
+    @property
+    def caller_text(self) -> CallerText:
+        """The one tokenizer of caller text (markers neutralized), for tests and audits."""
+        return self._caller
+
+    def render_prompt(
+        self, state: Any, instructions: Any, options: list[tuple[str, Any]]
+    ) -> tuple[str, list[int]]:
+        """The exact prompt text and tokens for one question (for tests and audits)."""
+        prompt = self.planner.builder.build(state, instructions, options)
+        return prompt.text, prompt.tokens
 
     # --- decisions ----------------------------------------------------------------------------------
+    def plan_decision(self, request: DecisionRequest) -> DecisionPlan:
+        """Tokenize and check a request (RequestError on any limit); no model call."""
+        return self.planner.plan(request)
+
+    def plan_batch(self, request: BatchDecisionRequest) -> DecisionPlan:
+        return self.planner.plan_batch(request)
+
+    def decision_work(self, plan: DecisionPlan) -> DecisionWork:
+        return DecisionWork(plan, self.planner)
+
     def decide(
-        self, request: DecisionRequest, *, should_stop: Callable[[], bool] | None = None
-    ) -> DecisionResponse:
-        """Answer every question. `should_stop` is polled between decodes (deadline / disconnect)."""
-        started = time.perf_counter()
-        stop = should_stop or _never
-        self._check_limits(request)
-        items = self._build_items(request)
-        tokenize_seconds = time.perf_counter() - started
-        mode = request.mode or self.settings.decision_mode
-        if mode == "shared" and self._rt.n_seq_max < 2:
-            mode = "fresh"  # no room for branches: the reference path is the only one
-        try:
-            stats = self._run_shared(items, stop) if mode == "shared" else self._run_fresh(items, stop)
-        except NativeError as exc:
-            self._rt.clear()
-            raise DeciderError(
-                f"the model failed to evaluate the prompt: {exc}", code="backend_failed"
-            ) from exc
-        answers: dict[str, Answer] = {}
-        by_question: dict[str, list[_Item]] = {}
-        for item in items:
-            by_question.setdefault(item.question.key, []).append(item)
-        for question in request.questions:
-            answers[question.key] = self._answer(question, by_question[question.key], request.extensions)
-        input_tokens = stats.prefix_tokens + stats.suffix_tokens  # fresh: no prefix, whole prompts
-        extensions = None
-        if request.extensions:
-            extensions = {
-                "mode": mode,
-                "model": self.model_info.id,
-                "prompt_version": PROMPT_VERSION,
-                "permutations": request.permutations,
-                "timing": {
-                    "total_seconds": time.perf_counter() - started,
-                    "tokenize_seconds": tokenize_seconds,
-                    "prefill_seconds": stats.prefill_seconds,
-                    "fanout_seconds": stats.fanout_seconds,
-                },
-                "prefix_tokens": stats.prefix_tokens,
-                "suffix_tokens": stats.suffix_tokens,
-                "decodes": stats.decodes,
-                "branches": stats.branches,
-            }
-        return DecisionResponse(
-            model=self.model_info.id,
-            answers=answers,
-            usage=Usage(input_tokens=input_tokens, output_tokens=0),
-            extensions=extensions,
-        )
+        self, request: DecisionRequest | BatchDecisionRequest
+    ) -> DecisionResponse | BatchDecisionResponse:
+        """Answer one request in-process, synchronously (a private scheduler; not for the server)."""
+        if isinstance(request, BatchDecisionRequest):
+            plan = self.plan_batch(request)
+        else:
+            plan = self.plan_decision(request)
+        return self._run_local(self.decision_work(plan), "decision")
 
-    def _check_limits(self, request: DecisionRequest) -> None:
-        if len(request.questions) > self.settings.max_questions:
-            raise RequestError(
-                f"The request has {len(request.questions)} questions; "
-                f"at most {self.settings.max_questions} are allowed.",
-                code="too_many_questions",
-                param="questions",
-            )
-        if request.permutations > self.settings.max_permutations:
-            raise RequestError(
-                f"`permutations` must be at most {self.settings.max_permutations}.",
-                code="invalid_permutations",
-                param="permutations",
-            )
-        for question in request.questions:
-            if len(question.options) > self.max_options:
-                raise RequestError(
-                    f"The question has {len(question.options)} options; this model supports at most "
-                    f"{self.max_options} (labels {self._slots.labels[0]}…{self._slots.labels[-1]}).",
-                    code="option_count_unsupported",
-                    param=f"questions.{question.key}.criteria",
-                )
+    def _run_local(self, work: Any, kind: str) -> Any:
+        from decider.server.metrics import ServerMetrics
+        from decider.server.scheduler import Job, Scheduler
 
-    def _build_items(self, request: DecisionRequest) -> list[_Item]:
-        state_tokens = self.count_tokens(json.dumps(request.state, ensure_ascii=False))
-        if state_tokens > self.settings.max_state_tokens:
-            raise RequestError(
-                f"The state is {state_tokens} tokens; at most {self.settings.max_state_tokens} are allowed "
-                f"({self.settings.env_name('max_state_tokens')}). It is never truncated.",
-                code="context_length_exceeded",
-                param="state",
-            )
-        labels = self._slots.labels
-        items: list[_Item] = []
-        for question in request.questions:
-            for order in option_orders(len(question.options), request.permutations, PERMUTATION_SEED):
-                shown = [
-                    (labels[slot], question.options[index].description) for slot, index in enumerate(order)
-                ]
-                prompt = self._builder.build(payload(request.state, question.instructions, shown))
-                if len(prompt.tokens) > self._rt.n_ctx:
-                    raise RequestError(
-                        f"The prompt for question {question.key!r} is {len(prompt.tokens)} tokens; "
-                        "the context holds "
-                        f"{self._rt.n_ctx} ({self.settings.env_name('n_ctx')}). It is never truncated.",
-                        code="context_length_exceeded",
-                        param=f"questions.{question.key}",
-                    )
-                items.append(
-                    _Item(question=question, order=order, tokens=prompt.tokens, sha256=prompt.sha256)
-                )
-        return items
-
-    def _run_fresh(self, items: list[_Item], stop: Callable[[], bool]) -> _RunStats:
-        stats = _RunStats()
-        t0 = time.perf_counter()
-        try:
-            for item in items:
-                _check_stop(stop)
-                self._rt.clear()
-                row = Row(seq_id=0, tokens=item.tokens, start_pos=0)
-                stats.decodes += self._rt.decode_rows([row])
-                item.logits = row.logits
-        finally:
-            self._rt.clear()
-        stats.prefill_seconds = time.perf_counter() - t0
-        stats.suffix_tokens = sum(len(item.tokens) for item in items)
-        return stats
-
-    def _run_shared(self, items: list[_Item], stop: Callable[[], bool]) -> _RunStats:
-        prefix_len = common_prefix_length([item.tokens for item in items])
-        stats = _RunStats(prefix_tokens=prefix_len)
-        self._rt.clear()
-        t0 = time.perf_counter()
-        _check_stop(stop)
-        if prefix_len:
-            stats.decodes += self._rt.decode_rows(
-                [Row(seq_id=0, tokens=items[0].tokens[:prefix_len], start_pos=0, want_logits=False)]
-            )
-        t1 = time.perf_counter()
-        stats.prefill_seconds = t1 - t0
-        max_branches = self._rt.n_seq_max - 1
-        budget = self._rt.n_ctx - prefix_len
-        try:
-            for chunk in _chunks(items, prefix_len, max_branches, budget):
-                _check_stop(stop)
-                rows = []
-                for branch, item in enumerate(chunk, start=1):
-                    self._rt.seq_copy(0, branch)
-                    rows.append(Row(seq_id=branch, tokens=item.tokens[prefix_len:], start_pos=prefix_len))
-                stats.decodes += self._rt.decode_rows(rows)
-                for branch, (item, row) in enumerate(zip(chunk, rows, strict=True), start=1):
-                    item.logits = row.logits
-                    self._rt.seq_remove(branch)
-                stats.branches += len(chunk)
-                stats.suffix_tokens += sum(len(row.tokens) for row in rows)
-        finally:
-            self._rt.clear()
-        stats.fanout_seconds = time.perf_counter() - t1
-        return stats
-
-    def _answer(self, question: Question, items: list[_Item], with_extensions: bool) -> Answer:
-        n = len(question.options)
-        slot_ids = self._slots.token_ids[:n]
-        per_order: list[list[float]] = []
-        masses: list[float] = []
-        for item in items:
-            assert item.logits is not None
-            slot_logits = item.logits[list(slot_ids)]
-            per_order.append(align_to_options(item.order, slot_logits))
-            if with_extensions:  # a pass over the whole vocabulary: only when it is reported
-                masses.append(allowed_token_mass(slot_logits, logsumexp(item.logits)))
-        logits = average_logits(per_order)
-        temperature = self.settings.temperature_for(question.type)
-        probs = softmax(logits, temperature)
-        keys = [option.key for option in question.options]
-        extensions = None
-        if with_extensions:
-            first = items[0]
-            full_argmax = int(np.argmax(first.logits))
-            extensions = {
-                "option_ids": list(slot_ids),
-                "option_labels": list(self._slots.labels[:n]),
-                "option_logits": dict(zip(keys, logits, strict=True)),
-                "allowed_token_mass": float(np.mean(masses)),
-                "prompt_sha256": first.sha256,
-                "prompt_version": PROMPT_VERSION,
-                "input_tokens": len(first.tokens),
-                "temperature": temperature,
-                "full_vocab_argmax_id": full_argmax,
-                "full_vocab_argmax_text": self._rt.piece(full_argmax).decode("utf-8", errors="replace"),
-                "permutations": [list(item.order) for item in items],
-            }
-            if question.type != "noul":
-                extensions["confidence_formula"] = CONFIDENCE_FORMULA
-        if question.type == "noul":
-            return NoulAnswer(noul=probs[0], extensions=extensions)
-        probabilities = dict(zip(keys, probs, strict=True))
-        if question.type == "choice":
-            return ChoiceAnswer(
-                choice=keys[argmax(probs)],
-                probabilities=probabilities,
-                confidence=normalized_peak(probs),
-                extensions=extensions,
-            )
-        return ScoreAnswer(
-            score=score_expectation(probs),
-            legend={o.key: o.description for o in question.options},
-            probabilities=probabilities,
-            confidence=normalized_peak(probs),
-            extensions=extensions,
-        )
+        if self._local is None:
+            self._local = Scheduler(queue_size=1024, deadline_seconds=3600, metrics=ServerMetrics())
+            self._local.attach(self._rt, self.head_tokens)
+        now = time.monotonic()
+        job = Job(kind, uuid.uuid4().hex, now + 3600, now, work.cost_tokens)
+        return self._local.submit(job, work).result()
 
     # --- chat ----------------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Chat prompt tokens; a conversation the model's template refuses is a 422, not a 500."""
         try:
-            return generation.chat_tokens(self._template, self._rt, messages)
+            return generation.chat_tokens(self._template, self._rt, self._caller.tokenize, messages)
         except TemplateUnusableError as exc:
             raise RequestError(
                 f"The model's chat template rejects these messages: {exc}",
@@ -418,78 +240,47 @@ class DecisionEngine:
                 param="messages",
             ) from exc
 
-    def generate(
+    @property
+    def chat_room(self) -> int:
+        """Cells a chat may use: the context minus the cached decision head and the invariance pad."""
+        return self._rt.n_ctx - len(self.head_tokens) - (1 if self._rt.pad_seq is not None else 0)
+
+    def chat_plan(
         self,
         messages: list[dict[str, Any]],
         *,
-        max_tokens: int,
+        max_tokens: int | None,
+        max_tokens_cap: int,
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop: list[str] | None = None,
         seed: int | None = None,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[generation.GenerationEvent]:
-        """Stream a chat completion on the shared context (its memory is cleared first)."""
+    ) -> ChatPlan:
+        """Tokenize a chat; `max_tokens` None: up to what the context has left, at most `max_tokens_cap`."""
         prompt = self.render_chat(messages)
-        if len(prompt) + max_tokens > self._rt.n_ctx:
+        room = self.chat_room - len(prompt)
+        if max_tokens is None:
+            max_tokens = max(1, min(max_tokens_cap, room))
+        if max_tokens > room:
             raise RequestError(
                 f"The prompt is {len(prompt)} tokens and max_tokens is {max_tokens}; the context holds "
-                f"{self._rt.n_ctx} ({self.settings.env_name('n_ctx')}).",
+                f"{self.chat_room} for chat ({self.settings.env_name('n_ctx')}).",
                 code="context_length_exceeded",
                 param="messages",
             )
-        return generation.generate(
-            self._rt,
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop or [],
-            seed=seed,
-            should_stop=should_stop,
+        return ChatPlan(prompt, max_tokens, temperature, top_p, tuple(stop or ()), seed)
+
+    def generate(
+        self, messages: list[dict[str, Any]], **params: Any
+    ) -> tuple[str, str, generation.GenerationUsage]:
+        """One chat completion in-process, synchronously: (text, finish reason, usage)."""
+        plan = self.chat_plan(
+            messages,
+            max_tokens=params.pop("max_tokens", None),
+            max_tokens_cap=self.settings.max_chat_tokens,
+            **params,
         )
-
-
-def _never() -> bool:
-    return False
-
-
-def _check_stop(stop: Callable[[], bool]) -> None:
-    if stop():
-        raise DeadlineExceededError(
-            "The decision was stopped before it finished (deadline passed or client gone)."
-        )
-
-
-def common_prefix_length(sequences: list[list[int]]) -> int:
-    """Longest common token prefix, capped so every sequence keeps at least one token to decode."""
-    if not sequences:
-        return 0
-    limit = min(len(seq) for seq in sequences) - 1
-    # Every sequence lies between the lexicographic min and max, so it shares their common prefix:
-    # one walk over two sequences instead of one over all of them per position.
-    low, high = min(sequences), max(sequences)
-    length = 0
-    while length < limit and low[length] == high[length]:
-        length += 1
-    return length
-
-
-def _chunks(
-    items: list[_Item], prefix_len: int, max_branches: int, cell_budget: int
-) -> Iterator[list[_Item]]:
-    """Greedy chunks with at most `max_branches` branches and Σ suffix tokens ≤ `cell_budget`."""
-    chunk: list[_Item] = []
-    used = 0
-    for item in items:
-        size = len(item.tokens) - prefix_len
-        if chunk and (len(chunk) >= max_branches or used + size > cell_budget):
-            yield chunk
-            chunk, used = [], 0
-        chunk.append(item)
-        used += size
-    if chunk:
-        yield chunk
+        return self._run_local(ChatWork(plan), "chat")
 
 
 def _chat_template(runtime: LlamaRuntime, settings: Settings) -> ChatTemplate:

@@ -1,22 +1,23 @@
-"""Chat generation on the engine's one context: template, sampler chain, streamed UTF-8 text.
+"""Chat generation pieces: prompt tokens from the template, the sampler chain, stop strings.
 
-Text deltas are produced with an incremental UTF-8 decoder (a character may be split over
-tokens) and held back while they could still be the start of a stop string, so a stop string
-that spans tokens is found and never emitted.
+The generation loop itself is `decider.engine.work.ChatWork`, one token per scheduler step. Text
+deltas are produced with an incremental UTF-8 decoder (a character may be split over tokens) and
+held back while they could still be the start of a stop string, so a stop string that spans
+tokens is found and never emitted.
 """
 
 from __future__ import annotations
 
-import codecs
 import random
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import llama_cpp
 
-from decider.engine.native import LlamaRuntime, Row
-from decider.engine.prompt import ChatTemplate
+from decider.engine.native import LlamaRuntime
+from decider.engine.prompt import ChatTemplate, TemplateUnusableError
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -51,36 +52,51 @@ def _content_text(content: Any) -> str:
     return str(content)
 
 
+_MESSAGE_SENTINEL = "\x00DECIDER-MSG-{}-7f3a\x00"
+_MESSAGE_SENTINELS = re.compile("\x00DECIDER-MSG-(\\d+)-7f3a\x00")
+_SENTINEL_TRACE = re.compile("DECIDER-MSG-\\d+-7f3a", re.IGNORECASE)
+
+
 def chat_tokens(
-    template: ChatTemplate, runtime: LlamaRuntime, messages: Sequence[dict[str, Any]]
+    template: ChatTemplate,
+    runtime: LlamaRuntime,
+    caller_tokens: Callable[[str], list[int]],
+    messages: Sequence[dict[str, Any]],
 ) -> list[int]:
-    """Prompt tokens for a chat: template pieces parse special tokens, message contents do not."""
-    sentinels = [f"\x00DECIDER-MSG-{i}-7f3a\x00" for i in range(len(messages))]
+    """Prompt tokens for a chat: the template's own text parses special tokens, message contents never.
+
+    The template is rendered with a sentinel in place of each content and split at the sentinels;
+    each content is tokenized by `caller_tokens` (`CallerText.tokenize`) wherever the template
+    printed it, in the template's order: once, more than once, or not at all (templates drop
+    messages, and Mistral-style ones move the system text into the last user turn). A template that
+    alters a content (so that its sentinel no longer appears intact) cannot place it safely:
+    `TemplateUnusableError`, which the engine answers with 422 `invalid_messages`.
+    """
+    contents = [_content_text(message.get("content")) for message in messages]
     rendered_messages = [
-        {"role": str(message.get("role", "user")), "content": sentinel}
-        for message, sentinel in zip(messages, sentinels, strict=True)
+        {"role": str(message.get("role", "user")), "content": _MESSAGE_SENTINEL.format(i)}
+        for i, message in enumerate(messages)
     ]
     text = template.render(rendered_messages, add_generation_prompt=True)
     tokens: list[int] = []
-    rest = text
-    for message, sentinel in zip(messages, sentinels, strict=True):
-        if rest.count(sentinel) != 1:
-            # The template rewrites contents (rare): fall back to rendering the real text.
-            real = [
-                {"role": str(m.get("role", "user")), "content": _content_text(m.get("content"))}
-                for m in messages
-            ]
-            tokens = runtime.tokenize(template.render(real, add_generation_prompt=True), special=True)
-            rest = ""
-            break
-        before, rest = rest.split(sentinel)
-        tokens += runtime.tokenize(before, special=True)
-        tokens += runtime.tokenize(_content_text(message.get("content")), special=False)
-    tokens += runtime.tokenize(rest, special=True)
+    last = 0
+    for match in _MESSAGE_SENTINELS.finditer(text):
+        tokens += _template_tokens(runtime, text[last : match.start()])
+        tokens += caller_tokens(contents[int(match.group(1))])
+        last = match.end()
+    tokens += _template_tokens(runtime, text[last:])
     bos = runtime.bos
     if runtime.add_bos and bos is not None and tokens[:1] != [bos]:
         tokens.insert(0, bos)
     return tokens
+
+
+def _template_tokens(runtime: LlamaRuntime, piece: str) -> list[int]:
+    if _SENTINEL_TRACE.search(piece):
+        raise TemplateUnusableError(
+            "the chat template alters message contents, so they cannot be placed as plain text"
+        )
+    return runtime.tokenize(piece, special=True)
 
 
 class StopFilter:
@@ -112,7 +128,8 @@ class StopFilter:
         return text
 
 
-def _sampler(temperature: float, top_p: float, seed: int | None) -> Any:
+def make_sampler(temperature: float, top_p: float, seed: int | None) -> Any:
+    """A llama.cpp sampler chain: greedy at temperature 0, else top-p, temperature, seeded draw."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     if temperature <= 0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
@@ -125,57 +142,5 @@ def _sampler(temperature: float, top_p: float, seed: int | None) -> Any:
     return chain
 
 
-def generate(
-    runtime: LlamaRuntime,
-    prompt: list[int],
-    *,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop: Sequence[str],
-    seed: int | None,
-    should_stop: Callable[[], bool] | None,
-) -> Iterator[GenerationEvent]:
-    """Yields text deltas, then one final event. The context's memory is cleared before and after."""
-    sampler = _sampler(temperature, top_p, seed)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    stops = StopFilter(stop)
-    produced = 0
-    finish: FinishReason = "length"
-    stop_hit = False
-    try:
-        runtime.clear()
-        runtime.decode_rows([Row(seq_id=0, tokens=prompt, start_pos=0)])
-        position = len(prompt)
-        while produced < max_tokens:
-            if should_stop is not None and should_stop():
-                finish = "cancelled"
-                break
-            token = llama_cpp.llama_sampler_sample(sampler, runtime.context, -1)
-            if runtime.is_eog(token):
-                finish = "stop"
-                break
-            produced += 1
-            text, stop_hit = stops.push(decoder.decode(runtime.piece(token)))
-            if text:
-                yield GenerationEvent(text=text)
-            if stop_hit:
-                finish = "stop"
-                break
-            if produced >= max_tokens:
-                break
-            runtime.decode_rows([Row(seq_id=0, tokens=[token], start_pos=position)])
-            position += 1
-        if not stop_hit:
-            # Whatever was held back as a possible stop prefix (or an unfinished character) is text.
-            text, stop_hit = stops.push(decoder.decode(b"", final=True))
-            if not stop_hit:
-                text += stops.flush()
-            if text:
-                yield GenerationEvent(text=text)
-        yield GenerationEvent(
-            finish_reason=finish, usage=GenerationUsage(prompt_tokens=len(prompt), completion_tokens=produced)
-        )
-    finally:
-        llama_cpp.llama_sampler_free(sampler)
-        runtime.clear()
+def free_sampler(sampler: Any) -> None:
+    llama_cpp.llama_sampler_free(sampler)

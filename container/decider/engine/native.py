@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,15 +39,46 @@ class NativeError(RuntimeError):
     """llama.cpp refused an operation (load, context creation, decode)."""
 
 
+class KvCacheFullError(NativeError):
+    """`llama_decode` returned 1: no memory slot for the batch (retry with less, or wait)."""
+
+
+class DecodeAbortedError(NativeError):
+    """`llama_decode` returned 2: the abort callback stopped it (processed micro-batches remain)."""
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What to read at a row's last token.
+
+    `token_ids`: keep only these logits (the option labels); `logsumexp` / `argmax`: also the
+    full-vocabulary log-normalizer and top token (multi-token labels, extensions). `sample`: the
+    row is a chat step; its logits stay in the context for `LlamaRuntime.sample` until the next decode.
+    """
+
+    token_ids: tuple[int, ...] = ()
+    logsumexp: bool = False
+    argmax: bool = False
+    sample: bool = False
+
+
+@dataclass
+class RowOutput:
+    logits: np.ndarray  # float64, one per OutputSpec.token_ids
+    logsumexp: float | None = None
+    argmax: int | None = None
+    batch_index: int = -1  # where the row's logits sit in the last decode (for sampling)
+
+
 @dataclass
 class Row:
-    """Tokens to append to one sequence, starting at `start_pos`; logits are read after its last token."""
+    """Tokens to append to one sequence, starting at `start_pos`; `output` is read after its last token."""
 
     seq_id: int
-    tokens: list[int]
+    tokens: Sequence[int]
     start_pos: int
-    want_logits: bool = True
-    logits: np.ndarray | None = field(default=None, repr=False)
+    output: OutputSpec | None = None
+    result: RowOutput | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -57,16 +90,24 @@ class ContextConfig:
     n_threads: int
     n_gpu_layers: int
     flash_attn: bool
+    batch_invariant: bool = False
 
 
 class LlamaRuntime:
-    """One llama.cpp model and ONE context, used for decisions and chat alike. Not thread-safe."""
+    """One llama.cpp model and ONE context, used for decisions and chat alike. Not thread-safe:
+    every call comes from the scheduler's engine thread (tokenization excepted, which only reads
+    the vocabulary)."""
 
     def __init__(self, path: Path, config: ContextConfig) -> None:
         self.path = path
         self.config = config
+        if config.batch_invariant:
+            _select_invariant_kernels()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = config.n_gpu_layers
+        # Repacked weights (CPU "extra" buffers) multiply 4 activation rows at a time and the rest one
+        # by one, so a row's result depends on where it sits in the micro-batch.
+        model_params.use_extra_bufts = not config.batch_invariant
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise NativeError(f"llama.cpp could not load {path}")
@@ -79,6 +120,11 @@ class LlamaRuntime:
         ctx_params.n_threads = config.n_threads
         ctx_params.n_threads_batch = config.n_threads
         ctx_params.kv_unified = True
+        # Fan-out copies one prefix into many sequences that all attend to it. A sliding-window cache
+        # sized for the window (swa_full off) evicts prefix cells a sibling branch still needs and
+        # cannot hold n_seq_max branches; the full-size cache keeps every cell until its sequence is
+        # removed, at the cost of n_ctx cells for the SWA layers too.
+        ctx_params.swa_full = True
         # True = "auto": llama.cpp enables flash attention where the backend supports it.
         ctx_params.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
@@ -97,8 +143,12 @@ class LlamaRuntime:
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        self._batch = llama_cpp.llama_batch_init(config.n_batch, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(config.n_batch + 1, 0, 1)  # + the invariance pad
         self._piece_buf = ctypes.create_string_buffer(256)
+        # The abort callback runs between graph nodes; `_should_abort` is set per decode.
+        self._should_abort: Callable[[], bool] | None = None
+        self._abort_cb = llama_cpp.ggml_abort_callback(self._abort_requested)
+        llama_cpp.llama_set_abort_callback(self._ctx, self._abort_cb, None)
 
     # --- model metadata ------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -155,6 +205,10 @@ class LlamaRuntime:
     def is_control(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
 
+    def token_attr(self, token: int) -> int:
+        """The token's `LLAMA_TOKEN_ATTR_*` flags (CONTROL, USER_DEFINED, …)."""
+        return int(llama_cpp.llama_vocab_get_attr(self._vocab, token))
+
     def tokenize(self, text: str, *, special: bool) -> list[int]:
         """Tokens of `text`, never adding BOS/EOS. `special=True` parses `<|im_end|>`-style markers."""
         data = text.encode(
@@ -171,6 +225,10 @@ class LlamaRuntime:
                 raise NativeError("tokenization failed")
         return list(out[:n])
 
+    def max_token_bytes(self) -> int:
+        """Bytes of the vocabulary's longest piece: a state of B bytes has at least B / this many tokens."""
+        return max(len(self.piece(token)) for token in range(self.n_vocab))
+
     def piece(self, token: int, *, special: bool = False) -> bytes:
         """The bytes a token stands for (may be part of a multi-byte UTF-8 character)."""
         n = llama_cpp.llama_token_to_piece(
@@ -183,10 +241,21 @@ class LlamaRuntime:
         return self._piece_buf.raw[:n]
 
     # --- memory (KV cache / recurrent state) --------------------------------------------------
+    @property
+    def n_batch(self) -> int:
+        return self.config.n_batch
+
+    @property
+    def pad_seq(self) -> int | None:
+        """The sequence reserved for the one-token pad of batch-invariant decodes (else None)."""
+        return self.n_seq_max - 1 if self.config.batch_invariant else None
+
     def clear(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, True)
+        """Forget every sequence. The buffers are not zeroed: every cell is written before it is read."""
+        llama_cpp.llama_memory_clear(self._mem, False)
 
     def seq_copy(self, src: int, dst: int) -> None:
+        """Make `dst` share all of `src`'s cells (no data is copied in a unified KV cache)."""
         llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
 
     def seq_remove(self, seq_id: int) -> None:
@@ -194,59 +263,90 @@ class LlamaRuntime:
         if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, -1, -1):
             raise NativeError(f"could not remove sequence {seq_id}")
 
+    def seq_pos_max(self, seq_id: int) -> int:
+        """The last position held by a sequence, -1 when it is empty."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq_id))
+
     # --- decoding ------------------------------------------------------------------------------
-    def decode_rows(self, rows: list[Row]) -> int:
-        """Append every row's tokens to its sequence, filling each llama_decode up to n_batch tokens.
+    def _abort_requested(self, _data: Any) -> bool:
+        check = self._should_abort
+        return bool(check is not None and check())
 
-        A row may span several decodes; its logits (if wanted) are taken at its last token and
-        stored in `row.logits`. Returns the number of llama_decode calls made.
+    def decode(self, rows: Sequence[Row], *, should_abort: Callable[[], bool] | None = None) -> None:
+        """Append every row's tokens to its sequence in ONE llama_decode (at most n_batch tokens) and
+        read each row's `output` into `row.result`.
+
+        Raises KvCacheFullError (nothing was decoded), DecodeAbortedError (`should_abort` returned
+        true; micro-batches already processed stay in memory) or NativeError.
         """
-        cursor = [0] * len(rows)
-        pending = [i for i, row in enumerate(rows) if row.tokens]
-        decodes = 0
+        total = sum(len(row.tokens) for row in rows)
+        if total == 0:
+            return
+        if total > self.config.n_batch:
+            raise NativeError(f"a decode of {total} tokens exceeds n_batch={self.config.n_batch}")
         batch = self._batch
-        while pending:
-            n = 0
-            outputs: list[tuple[int, int]] = []  # (row index, batch index)
-            still: list[int] = []
-            for i in pending:
-                row = rows[i]
-                take = min(len(row.tokens) - cursor[i], self.config.n_batch - n)
-                if take <= 0:
-                    still.append(i)
-                    continue
-                start = cursor[i]
-                for j in range(start, start + take):
-                    batch.token[n] = row.tokens[j]
-                    batch.pos[n] = row.start_pos + j
-                    batch.n_seq_id[n] = 1
-                    batch.seq_id[n][0] = row.seq_id
-                    batch.logits[n] = 0
-                    n += 1
-                cursor[i] = start + take
-                if cursor[i] == len(row.tokens):
-                    if row.want_logits:
-                        batch.logits[n - 1] = 1
-                        outputs.append((i, n - 1))
-                else:
-                    still.append(i)
-            batch.n_tokens = n
+        n = 0
+        outputs: list[tuple[Row, int]] = []
+        for row in rows:
+            for j, token in enumerate(row.tokens):
+                batch.token[n] = token
+                batch.pos[n] = row.start_pos + j
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = row.seq_id
+                batch.logits[n] = 0
+                n += 1
+            if row.output is not None and row.tokens:
+                batch.logits[n - 1] = 1
+                outputs.append((row, n - 1))
+        padded = self._needs_pad(total)
+        if padded:
+            # A lone last token would take the split-KV attention path: give it a companion in the
+            # pad sequence (position 0, removed right after), so every micro-batch has >= 2 rows.
+            batch.token[n] = self.bos if self.bos is not None else 0
+            batch.pos[n] = 0
+            batch.n_seq_id[n] = 1
+            batch.seq_id[n][0] = self.pad_seq
+            batch.logits[n] = 0
+            n += 1
+        batch.n_tokens = n
+        self._should_abort = should_abort
+        try:
             status = llama_cpp.llama_decode(self._ctx, batch)
-            decodes += 1
-            if status != 0:
-                raise NativeError(f"llama_decode returned {status} for a batch of {n} tokens")
-            for i, batch_index in outputs:
-                ptr = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
-                if not ptr:
-                    raise NativeError("llama.cpp returned no logits")
-                rows[i].logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-            pending = still
-        return decodes
+        finally:
+            self._should_abort = None
+            if padded:
+                self.seq_remove(self.pad_seq)  # type: ignore[arg-type]
+        if status == 1:
+            raise KvCacheFullError(f"no memory slot for a batch of {total} tokens")
+        if status == 2:
+            raise DecodeAbortedError("the decode was aborted")
+        if status != 0:
+            raise NativeError(f"llama_decode returned {status} for a batch of {total} tokens")
+        for row, batch_index in outputs:
+            row.result = self._read_output(row.output, batch_index)  # type: ignore[arg-type]
 
-    @property
-    def context(self) -> Any:
-        """The raw llama_context pointer (for the sampler API in generation)."""
-        return self._ctx
+    def _needs_pad(self, total: int) -> bool:
+        return self.config.batch_invariant and total % min(self.config.n_ubatch, self.config.n_batch) == 1
+
+    def _read_output(self, spec: OutputSpec, batch_index: int) -> RowOutput:
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
+        if not ptr:
+            raise NativeError("llama.cpp returned no logits")
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))  # a view: nothing is copied
+        result = RowOutput(
+            logits=logits[list(spec.token_ids)].astype(np.float64) if spec.token_ids else np.empty(0),
+            batch_index=batch_index,
+        )
+        if spec.logsumexp:
+            peak = float(logits.max())
+            result.logsumexp = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+        if spec.argmax:
+            result.argmax = int(np.argmax(logits))
+        return result
+
+    def sample(self, sampler: Any, batch_index: int) -> int:
+        """Sample the next token of a chat row from the last decode's logits at `batch_index`."""
+        return int(llama_cpp.llama_sampler_sample(sampler, self._ctx, batch_index))
 
     # --- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -261,3 +361,9 @@ class LlamaRuntime:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to report to
             self.close()
+
+
+def _select_invariant_kernels() -> None:
+    """Take ggml's tiled K-quant matmul for every row count (by default it starts at 8 rows, and
+    the two paths round differently). ggml reads this once per process, at the first K-quant matmul."""
+    os.environ.setdefault("GGML_CPU_TILED_MM_FORCE", "1")

@@ -20,9 +20,8 @@ from decider.settings import QuestionType, Settings
 QUESTION_TYPES: tuple[str, ...] = get_args(QuestionType)
 JSONContent = str | dict[str, Any] | list[Any]
 
-# Frozen texts (part of prompt version decider-options-v1: changing one changes every prompt hash).
-NOUL_TRUE_DEFAULT = "The answer to the question is yes."
-NOUL_FALSE_DEFAULT = "The answer to the question is no."
+# Frozen texts (part of every prompt version: changing one changes every prompt hash). The default
+# texts of noul's two options belong to the prompt version (decider.engine.prompt.PROMPT_FORMATS).
 DEFAULT_INSTRUCTIONS: dict[str, str] = {
     "noul": "Decide which of the two options is true.",
     "choice": "Choose the option that best applies.",
@@ -31,7 +30,8 @@ DEFAULT_INSTRUCTIONS: dict[str, str] = {
 
 QUESTION_FIELDS = frozenset({"type", "instructions", "criteria"})
 _DEFAULT_LIMITS = {
-    name: Settings.model_fields[name].default for name in ("max_questions", "max_options", "max_permutations")
+    name: Settings.model_fields[name].default
+    for name in ("max_questions", "max_options", "max_permutations", "max_batch_states")
 }
 
 
@@ -40,10 +40,12 @@ class _Frozen(BaseModel):
 
 
 class Option(_Frozen):
-    """One answer option as shown to the model: `key` is what the answer reports."""
+    """One answer option as shown to the model: `key` is what the answer reports.
+
+    `description` None: the prompt version's default text (a noul side the caller left out)."""
 
     key: str
-    description: JSONContent
+    description: JSONContent | None
 
 
 class Question(_Frozen):
@@ -55,13 +57,30 @@ class Question(_Frozen):
     options: tuple[Option, ...]
 
 
-class DecisionRequest(_Frozen):
+class DecisionOptions(_Frozen):
+    """What a decision request asks besides its state(s): the questions and the optional fields."""
+
     model: str | None = None
-    state: JSONContent
     questions: tuple[Question, ...]
     extensions: bool = False
     permutations: int = 1
     mode: Literal["shared", "fresh"] | None = None
+
+
+class DecisionRequest(DecisionOptions):
+    """`POST /v1/systemone`: one state."""
+
+    state: JSONContent
+
+
+class BatchDecisionRequest(DecisionOptions):
+    """`POST /v1/systemone/batch`: many states, the same questions for each."""
+
+    states: tuple[JSONContent, ...]
+
+    def for_state(self, index: int) -> DecisionRequest:
+        fields = self.model_dump(exclude={"states"})
+        return DecisionRequest(**fields, state=self.states[index])
 
 
 # --- answers ------------------------------------------------------------------------------------
@@ -96,6 +115,15 @@ class Usage(_Frozen):
     output_tokens: int = 0
 
 
+def _without_empty_extensions(body: dict[str, Any]) -> dict[str, Any]:
+    for answer in body["answers"].values():
+        if answer.get("extensions") is None:
+            answer.pop("extensions", None)
+    if body.get("extensions") is None:
+        body.pop("extensions", None)
+    return body
+
+
 class DecisionResponse(_Frozen):
     model: str
     answers: dict[str, Answer]
@@ -104,13 +132,18 @@ class DecisionResponse(_Frozen):
 
     def to_wire(self) -> dict[str, Any]:
         """JSON-ready body. Without extensions it matches strict Jev clients (floats stay floats)."""
-        body = self.model_dump(mode="json")
-        for answer in body["answers"].values():
-            if answer.get("extensions") is None:
-                answer.pop("extensions", None)
-        if body.get("extensions") is None:
-            body.pop("extensions", None)
-        return body
+        return _without_empty_extensions(self.model_dump(mode="json"))
+
+
+class BatchDecisionResponse(_Frozen):
+    results: tuple[DecisionResponse, ...]
+    usage: Usage
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "results": [result.to_wire() for result in self.results],
+            "usage": self.usage.model_dump(mode="json"),
+        }
 
 
 # --- parsing ------------------------------------------------------------------------------------
@@ -236,19 +269,16 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _state(obj: dict[str, Any]) -> JSONContent:
-    if "state" not in obj:
-        raise RequestError("`state` is required.", code="missing_field", param="state")
-    state = obj["state"]
+def _state(state: Any, param: str = "state") -> JSONContent:
     if not isinstance(state, str | dict | list):
         raise RequestError(
-            f"`state` must be a non-empty string, object or array, not {_kind(state)}.",
+            f"`{param}` must be a non-empty string, object or array, not {_kind(state)}.",
             code="invalid_state",
-            param="state",
+            param=param,
         )
     if (isinstance(state, str) and not state.strip()) or not state:
-        raise RequestError("`state` is empty.", code="invalid_state", param="state")
-    _check_json(state, code="invalid_state", param="state")
+        raise RequestError(f"`{param}` is empty.", code="invalid_state", param=param)
+    _check_json(state, code="invalid_state", param=param)
     return state
 
 
@@ -277,10 +307,10 @@ def _options(key: str, qtype: str, raw: dict[str, Any], max_options: int) -> tup
                 param=f"{param}.{extra[0]}",
             )
         sides = []
-        for side, default in (("true", NOUL_TRUE_DEFAULT), ("false", NOUL_FALSE_DEFAULT)):
+        for side in ("true", "false"):
             value = criteria.get(side)
             text = (
-                default
+                None
                 if value is None
                 else _content(value, param=f"{param}.{side}", what=f"Noul `{side}` text")
             )
@@ -379,14 +409,7 @@ def _question(key: str, raw: Any, max_options: int) -> Question:
     )
 
 
-def parse_decision_request(
-    obj: Any,
-    *,
-    max_questions: int = _DEFAULT_LIMITS["max_questions"],
-    max_options: int = _DEFAULT_LIMITS["max_options"],
-    max_permutations: int = _DEFAULT_LIMITS["max_permutations"],
-) -> DecisionRequest:
-    """Validate a parsed JSON body. Raises `RequestError(code=…, param=…)` on the first problem."""
+def _body_object(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise RequestError(
             f"The body must be a JSON object, not {_kind(obj)}.", code="invalid_body", param=None
@@ -399,10 +422,16 @@ def parse_decision_request(
         raise RequestError(
             "Image assets are not supported by this text model.", code="unsupported_field", param="assets"
         )
+    return obj
+
+
+def _decision_options(
+    obj: dict[str, Any], *, max_questions: int, max_options: int, max_permutations: int
+) -> dict[str, Any]:
+    """The fields every decision request shares, validated, as DecisionOptions keyword arguments."""
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("`model` must be a string.", code="invalid_model", param="model")
-    state = _state(obj)
     if "questions" not in obj:
         raise RequestError("`questions` is required.", code="missing_field", param="questions")
     raw_questions = obj["questions"]
@@ -448,11 +477,59 @@ def parse_decision_request(
     mode = obj.get("mode")
     if mode is not None and mode not in ("shared", "fresh"):
         raise RequestError('`mode` must be "shared" or "fresh".', code="invalid_mode", param="mode")
-    return DecisionRequest(
-        model=model,
-        state=state,
-        questions=questions,
-        extensions=extensions,
-        permutations=permutations,
-        mode=mode,
+    return {
+        "model": model,
+        "questions": questions,
+        "extensions": extensions,
+        "permutations": permutations,
+        "mode": mode,
+    }
+
+
+def parse_decision_request(
+    obj: Any,
+    *,
+    max_questions: int = _DEFAULT_LIMITS["max_questions"],
+    max_options: int = _DEFAULT_LIMITS["max_options"],
+    max_permutations: int = _DEFAULT_LIMITS["max_permutations"],
+) -> DecisionRequest:
+    """Validate a parsed JSON body. Raises `RequestError(code=…, param=…)` on the first problem."""
+    obj = _body_object(obj)
+    if "state" not in obj:
+        raise RequestError("`state` is required.", code="missing_field", param="state")
+    state = _state(obj["state"])
+    options = _decision_options(
+        obj, max_questions=max_questions, max_options=max_options, max_permutations=max_permutations
     )
+    return DecisionRequest(state=state, **options)
+
+
+def parse_batch_request(
+    obj: Any,
+    *,
+    max_states: int = _DEFAULT_LIMITS["max_batch_states"],
+    max_questions: int = _DEFAULT_LIMITS["max_questions"],
+    max_options: int = _DEFAULT_LIMITS["max_options"],
+    max_permutations: int = _DEFAULT_LIMITS["max_permutations"],
+) -> BatchDecisionRequest:
+    """Validate a `/v1/systemone/batch` body: `states` (1..max_states) plus the usual fields."""
+    obj = _body_object(obj)
+    if "states" not in obj:
+        raise RequestError("`states` is required.", code="missing_field", param="states")
+    raw_states = obj["states"]
+    if not isinstance(raw_states, list) or not raw_states:
+        raise RequestError(
+            "`states` must be a non-empty array of states.", code="invalid_states", param="states"
+        )
+    if len(raw_states) > max_states:
+        raise RequestError(
+            f"The request has {len(raw_states)} states; at most {max_states} are allowed "
+            "(DECIDER_MAX_BATCH_STATES).",
+            code="too_many_states",
+            param="states",
+        )
+    states = tuple(_state(state, f"states.{i}") for i, state in enumerate(raw_states))
+    options = _decision_options(
+        obj, max_questions=max_questions, max_options=max_options, max_permutations=max_permutations
+    )
+    return BatchDecisionRequest(states=states, **options)

@@ -1,15 +1,20 @@
-"""The ASGI application: SageMaker's `/ping` and `/invocations`, the decision and chat routes,
+"""The ASGI application: SageMaker's `/ping` and `/invocations`, the decision routes (Jev's
+`/v1/systemone` and `/v1/systemone/batch`, OpenAI's `/v1/decisions`), the chat route,
 `/v1/models` and `/metrics`.
 
 Every response carries `x-request-id` (also as `x-typesafe-request-id`, which typesafe-sdk reads).
 `/invocations` responses also carry `X-Amzn-SageMaker-Custom-Attributes:
 request_id=…,duration_ms=…,route=…`, because SageMaker passes only that header back to the caller.
-For a streamed answer `duration_ms` is the time to the first byte.
+For a streamed answer `duration_ms` is the time to the first byte. Every error response carries
+`x-should-retry: true|false` (the openai SDK obeys it) next to the body's `error.retryable`.
+
+With `DECIDER_API_KEY` set, every route but `/ping` requires `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hmac
 import logging
 import time
 import uuid
@@ -17,8 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from pydantic import SecretStr
 from starlette.applications import Starlette
-from starlette.datastructures import MutableHeaders
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -26,9 +32,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from decider.errors import DeciderError, NotFoundError, RequestError
+from decider.errors import AuthenticationError, DeciderError, NotFoundError, RequestError
 from decider.server.body import read_payload
-from decider.server.handlers import ClientDisconnectedError, handle_chat, handle_decision, internal_error_body
+from decider.server.handlers import (
+    ClientDisconnectedError,
+    handle_batch,
+    handle_chat,
+    handle_decision,
+    handle_openai_decision,
+    internal_error,
+)
 from decider.server.metrics import route_label
 from decider.server.routing import (
     CUSTOM_ATTRIBUTES_HEADER,
@@ -86,8 +99,7 @@ class RequestContextMiddleware:
         except Exception as exc:
             log.exception("request %s %s %s failed", request_id, scope.get("method"), path)
             if not response_started:
-                response = JSONResponse(internal_error_body(exc), status_code=500)
-                await response(scope, receive, send_with_context)
+                await _error_response(internal_error(exc))(scope, receive, send_with_context)
         finally:
             elapsed = time.perf_counter() - started
             route = route_label(path)
@@ -106,8 +118,46 @@ class RequestContextMiddleware:
             )
 
 
+class ApiKeyMiddleware:
+    """With a key configured, `Authorization: Bearer <key>` is required on every route but `/ping`
+    (401 `authentication_error` otherwise, before the body is read). Without one, any
+    `Authorization` header is accepted and ignored."""
+
+    UNAUTHENTICATED_PATHS = frozenset({"/ping"})
+
+    def __init__(self, app: ASGIApp, api_key: SecretStr | None) -> None:
+        self.app = app
+        self._key = api_key.get_secret_value().encode() if api_key is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._key is None or scope["type"] != "http" or scope["path"] in self.UNAUTHENTICATED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        error = self._check(Headers(scope=scope).get("authorization"))
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        await _error_response(error)(scope, receive, send)
+
+    def _check(self, header: str | None) -> AuthenticationError | None:
+        challenge = {"WWW-Authenticate": 'Bearer realm="decider"'}
+        if not header:
+            return AuthenticationError(
+                "An API key is required: send `Authorization: Bearer <key>`.",
+                code="missing_api_key",
+                headers=challenge,
+            )
+        scheme, _, token = header.partition(" ")
+        # Starlette decodes header bytes as latin-1; compare the raw bytes in constant time.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode("latin-1"), self._key or b""
+        ):
+            return AuthenticationError("The API key is not valid.", code="invalid_api_key", headers=challenge)
+        return None
+
+
 def _error_response(exc: DeciderError) -> JSONResponse:
-    return JSONResponse(exc.to_wire(), status_code=exc.status, headers=exc.headers or None)
+    return JSONResponse(exc.to_wire(), status_code=exc.status, headers=exc.response_headers())
 
 
 async def _on_decider_error(request: Request, exc: Exception) -> Response:
@@ -181,10 +231,20 @@ def create_app(
         runtime.metrics.invocation_targets.labels(path).inc()
         if target == "decision":
             return await handle_decision(runtime, request, body)
+        if target == "batch":
+            return await handle_batch(runtime, request, body)
+        if target == "openai_decision":
+            return await handle_openai_decision(runtime, request, body)
         return await handle_chat(runtime, request, body)
 
     async def systemone(request: Request) -> Response:
         return await handle_decision(runtime, request, await read_payload(request, limit))
+
+    async def systemone_batch(request: Request) -> Response:
+        return await handle_batch(runtime, request, await read_payload(request, limit))
+
+    async def decisions(request: Request) -> Response:
+        return await handle_openai_decision(runtime, request, await read_payload(request, limit))
 
     async def chat_completions(request: Request) -> Response:
         return await handle_chat(runtime, request, await read_payload(request, limit))
@@ -223,6 +283,8 @@ def create_app(
         Route("/ping", ping, methods=["GET"]),
         Route("/invocations", invocations, methods=["POST"]),
         Route("/v1/systemone", systemone, methods=["POST"]),
+        Route("/v1/systemone/batch", systemone_batch, methods=["POST"]),
+        Route("/v1/decisions", decisions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -230,7 +292,10 @@ def create_app(
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(RequestContextMiddleware, runtime=runtime)],
+        middleware=[
+            Middleware(RequestContextMiddleware, runtime=runtime),  # outermost: ids and metrics for 401s too
+            Middleware(ApiKeyMiddleware, api_key=settings.api_key),
+        ],
         exception_handlers={
             DeciderError: _on_decider_error,
             HTTPException: _on_http_exception,

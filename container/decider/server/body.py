@@ -7,6 +7,7 @@ off as soon as it passes the cap. Decompressed bodies are held to the same cap.
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -162,7 +163,11 @@ def parse_json(data: bytes) -> Any:
 
 
 async def read_payload(request: Request, limit: int) -> Any:
-    """The body's parsed JSON, under the byte `limit` (raw and decoded)."""
+    """The body's parsed JSON, under the byte `limit` (raw and decoded).
+
+    Decompressing and parsing run on a worker thread: a multi-megabyte body must not hold up the
+    event loop (and with it `/ping`)."""
     _check_content_type(request)
     raw = await read_body(request, limit)
-    return parse_json(decode_content(raw, request.headers.get("content-encoding"), limit))
+    encoding = request.headers.get("content-encoding")
+    return await asyncio.to_thread(lambda: parse_json(decode_content(raw, encoding, limit)))

@@ -1,7 +1,8 @@
-"""The decision and chat handlers: validate, admit, run on the engine thread, answer.
+"""The decision and chat handlers: validate and tokenize, admit, run on the engine thread, answer.
 
-Validation (and every limit but the state's token count, which needs the tokenizer) happens on
-the event loop before admission, so an invalid request never takes a place in the queue.
+Validation and tokenization run on a worker thread before admission, so an invalid request never
+takes a place in the queue and a large body never holds up `/ping`. Admission then knows the
+request's token count, which is what its wait and its own cost are estimated from.
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from decider.errors import DeciderError, RequestError, UnavailableError
+from decider.engine.generation import GenerationEvent
+from decider.engine.work import ChatPlan, ChatWork
+from decider.errors import DeciderError, RequestError
 from decider.schemas.chat import (
     AssistantMessage,
     ChatCompletion,
@@ -27,9 +31,10 @@ from decider.schemas.chat import (
     now_seconds,
     parse_chat_request,
 )
-from decider.schemas.decision import parse_decision_request
-from decider.server.admission import Job, deadline_error
+from decider.schemas.decision import parse_batch_request, parse_decision_request
+from decider.schemas.openai_decisions import parse_openai_decision_request
 from decider.server.runtime import Engine, ServerRuntime
+from decider.server.scheduler import ClientGoneError, Job, deadline_error
 
 log = logging.getLogger("decider.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -46,58 +51,100 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def run_until_disconnect(runtime: ServerRuntime, request: Request, job: Job, fn: Any) -> Any:
+async def run_until_disconnect(runtime: ServerRuntime, request: Request, job: Job, work: Any) -> Any:
     """`scheduler.run`, but drop the job as soon as the client disconnects."""
-    work = asyncio.ensure_future(runtime.scheduler.run(job, fn))
+    run = asyncio.ensure_future(runtime.scheduler.run(job, work))
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         job.cancel()
-        work.cancel()
+        run.cancel()
         watcher.cancel()
         raise
-    if work in done:
+    if run in done:
         watcher.cancel()
-        return work.result()
+        try:
+            return run.result()
+        except ClientGoneError:
+            raise ClientDisconnectedError from None
     job.cancel()
-    work.cancel()
+    run.cancel()
     raise ClientDisconnectedError
 
 
 # --- decisions -----------------------------------------------------------------------------------
 
 
-def _decide(engine: Engine, decision: Any, job: Job) -> dict[str, Any]:
-    # The engine enforces the per-model limits (state tokens, options per question) itself, and
-    # polls `should_stop` between decodes, so a decision past its deadline stops early.
-    return engine.decide(decision, should_stop=job.should_stop).to_wire()
+def _limits(runtime: ServerRuntime) -> dict[str, int]:
+    settings = runtime.settings
+    return {
+        "max_questions": settings.max_questions,
+        "max_options": settings.max_options,
+        "max_permutations": settings.max_permutations,
+    }
 
 
 async def handle_decision(runtime: ServerRuntime, request: Request, body: Any) -> Response:
     engine = runtime.require_engine()
-    settings = runtime.settings
-    decision = parse_decision_request(
-        body,
-        max_questions=settings.max_questions,
-        max_options=settings.max_options,
-        max_permutations=settings.max_permutations,
-    )
-    job = runtime.scheduler.admit("decision", request.state.request_id)
-    wire = await run_until_disconnect(runtime, request, job, lambda job: _decide(engine, decision, job))
-    runtime.metrics.tokens.labels("decision_input").inc(wire.get("usage", {}).get("input_tokens", 0))
-    return JSONResponse(wire)
+
+    def prepare() -> Any:
+        return engine.plan_decision(parse_decision_request(body, **_limits(runtime)))
+
+    return await _decide(runtime, request, engine, prepare)
+
+
+async def handle_batch(runtime: ServerRuntime, request: Request, body: Any) -> Response:
+    engine = runtime.require_engine()
+    max_states = runtime.settings.max_batch_states
+
+    def prepare() -> Any:
+        return engine.plan_batch(parse_batch_request(body, max_states=max_states, **_limits(runtime)))
+
+    return await _decide(runtime, request, engine, prepare)
+
+
+async def handle_openai_decision(runtime: ServerRuntime, request: Request, body: Any) -> Response:
+    """`POST /v1/decisions` (OpenAI's Decisions API, `client.decisions.create`): translated to the
+    same decision request, planned, batched and answered the same way."""
+    engine = runtime.require_engine()
+    translated = parse_openai_decision_request(body, **_limits(runtime))
+
+    def prepare() -> Any:
+        try:
+            return engine.plan_decision(translated.request)
+        except RequestError as exc:  # engine limits name internal fields: point them at OpenAI's
+            raise translated.relocate(exc) from None
+
+    response = await execute_decision(runtime, request, engine, prepare)
+    return JSONResponse(translated.response(response))
+
+
+async def _decide(
+    runtime: ServerRuntime, request: Request, engine: Engine, prepare: Callable[[], Any]
+) -> Response:
+    return JSONResponse((await execute_decision(runtime, request, engine, prepare)).to_wire())
+
+
+async def execute_decision(
+    runtime: ServerRuntime, request: Request, engine: Engine, prepare: Callable[[], Any]
+) -> Any:
+    """The one decision path behind every decision route: plan (validate and tokenize) on a worker
+    thread, admit by token count, run batched on the engine thread, count tokens."""
+    plan = await asyncio.to_thread(prepare)  # parsing and tokenizing never block the event loop
+    job = runtime.scheduler.admit("decision", request.state.request_id, plan.cost_tokens)
+    response = await run_until_disconnect(runtime, request, job, engine.decision_work(plan))
+    runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
+    return response
 
 
 # --- chat ----------------------------------------------------------------------------------------
 
 
-def _max_tokens(runtime: ServerRuntime, chat: ChatCompletionRequest) -> int:
+def _max_tokens(runtime: ServerRuntime, chat: ChatCompletionRequest) -> int | None:
     limit = runtime.settings.max_chat_tokens
     requested = chat.requested_max_tokens()
-    if requested is None:
-        return limit
-    if requested > limit:
+    if requested is not None and requested > limit:
         param = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
         raise RequestError(
             f"{param} is {requested}; at most {limit} are allowed (DECIDER_MAX_CHAT_TOKENS)",
@@ -107,64 +154,40 @@ def _max_tokens(runtime: ServerRuntime, chat: ChatCompletionRequest) -> int:
     return requested
 
 
-def _generation(engine: Engine, chat: ChatCompletionRequest, max_tokens: int, job: Job) -> Iterator[Any]:
-    messages = chat.engine_messages()
-    if chat.requested_max_tokens() is None:
-        # No max_tokens: as in OpenAI's API, generate up to what the context has left (capped).
-        room = engine.model_info.n_ctx - len(engine.render_chat(messages))
-        max_tokens = max(1, min(max_tokens, room))
-    return iter(
-        engine.generate(
-            messages,
-            max_tokens=max_tokens,
+async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Response:
+    engine = runtime.require_engine()
+
+    def prepare() -> tuple[ChatCompletionRequest, ChatPlan]:
+        chat = parse_chat_request(body)
+        plan = engine.chat_plan(
+            chat.engine_messages(),
+            max_tokens=_max_tokens(runtime, chat),
+            max_tokens_cap=runtime.settings.max_chat_tokens,
             temperature=chat.temperature,
             top_p=chat.top_p,
             stop=chat.stop_list(),
             seed=chat.seed,
-            should_stop=job.should_stop,
         )
-    )
+        return chat, plan
 
-
-def _finish_reason(event: Any, job: Job, deadline_seconds: float) -> str:
-    reason = event.finish_reason
-    if reason == "cancelled":
-        if job.expired():
-            raise deadline_error(job, deadline_seconds)
-        raise ClientDisconnectedError
-    return "length" if reason == "length" else "stop"
-
-
-def _complete(engine: Engine, runtime: ServerRuntime, chat: ChatCompletionRequest, max_tokens: int, job: Job):
-    parts: list[str] = []
-    for event in _generation(engine, chat, max_tokens, job):
-        if event.finish_reason is None:
-            parts.append(event.text)
-            continue
-        finish = _finish_reason(event, job, runtime.settings.deadline_seconds)
-        return "".join(parts), finish, event.usage
-    raise RuntimeError("the engine ended a generation without a final event")
-
-
-async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Response:
-    engine = runtime.require_engine()
-    chat = parse_chat_request(body)
-    max_tokens = _max_tokens(runtime, chat)
-    job = runtime.scheduler.admit("chat", request.state.request_id)
+    chat, plan = await asyncio.to_thread(prepare)
+    job = runtime.scheduler.admit("chat", request.state.request_id, plan.cost_tokens)
     if chat.stream:
-        return await _stream_chat(runtime, request, engine, chat, max_tokens, job)
-    text, finish, usage = await run_until_disconnect(
-        runtime, request, job, lambda job: _complete(engine, runtime, chat, max_tokens, job)
-    )
+        return await _stream_chat(runtime, engine, chat, plan, job)
+    text, finish, usage = await run_until_disconnect(runtime, request, job, ChatWork(plan))
     _count_chat_tokens(runtime, usage)
     completion = ChatCompletion(
         id=new_completion_id(),
         created=now_seconds(),
         model=engine.model_info.id,
-        choices=[Choice(message=AssistantMessage(content=text), finish_reason=finish)],
+        choices=[Choice(message=AssistantMessage(content=text), finish_reason=_wire_finish(finish))],
         usage=Usage.of(usage.prompt_tokens, usage.completion_tokens),
     )
     return JSONResponse(completion.model_dump(mode="json"))
+
+
+def _wire_finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
 
 
 def _count_chat_tokens(runtime: ServerRuntime, usage: Any) -> None:
@@ -174,8 +197,6 @@ def _count_chat_tokens(runtime: ServerRuntime, usage: Any) -> None:
 
 # --- chat streaming ------------------------------------------------------------------------------
 
-_END = object()
-
 
 class _Failure:
     def __init__(self, exc: BaseException) -> None:
@@ -183,40 +204,25 @@ class _Failure:
 
 
 async def _stream_chat(
-    runtime: ServerRuntime,
-    request: Request,
-    engine: Engine,
-    chat: ChatCompletionRequest,
-    max_tokens: int,
-    job: Job,
+    runtime: ServerRuntime, engine: Engine, chat: ChatCompletionRequest, plan: ChatPlan, job: Job
 ) -> Response:
-    """Generate on the engine thread, relay events through a queue, and send SSE.
+    """Generate on the engine thread, relay its events through a queue, and send SSE.
 
     The HTTP status is decided by the first event: an error before the first token (deadline while
-    queued, prompt too long) is an ordinary JSON error response. Later errors become an SSE event
+    queued, server stopping) is an ordinary JSON error response. Later errors become an SSE event
     with the usual error body, followed by `[DONE]`.
     """
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Any] = asyncio.Queue()
 
-    def produce(job: Job) -> None:
-        try:
-            for event in _generation(engine, chat, max_tokens, job):
-                loop.call_soon_threadsafe(events.put_nowait, event)
-        except BaseException as exc:
+    def emit(event: GenerationEvent) -> None:  # called on the engine thread
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    def relay_failure(future: Future[Any]) -> None:
+        if (exc := future.exception()) is not None:
             loop.call_soon_threadsafe(events.put_nowait, _Failure(exc))
-        finally:
-            loop.call_soon_threadsafe(events.put_nowait, _END)
 
-    def relay_outcome(future: asyncio.Future[None]) -> None:
-        """Work that never ran (deadline passed in the queue, server stopping) has no events."""
-        if future.cancelled():
-            events.put_nowait(_Failure(UnavailableError("the server is shutting down", code="shutting_down")))
-        elif (exc := future.exception()) is not None:
-            events.put_nowait(_Failure(exc))
-
-    work = runtime.scheduler.start(job, produce)
-    work.add_done_callback(relay_outcome)
+    runtime.scheduler.submit(job, ChatWork(plan, emit)).add_done_callback(relay_failure)
     deadline_seconds = runtime.settings.deadline_seconds
 
     async def next_event() -> Any:
@@ -233,10 +239,9 @@ async def _stream_chat(
         raise
     if isinstance(first, _Failure):
         job.cancel()
+        if isinstance(first.exc, ClientGoneError):
+            raise ClientDisconnectedError
         raise first.exc
-    if first is _END:
-        job.cancel()
-        raise RuntimeError("the engine produced no events")
 
     completion_id, created, model_id = new_completion_id(), now_seconds(), engine.model_info.id
     include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
@@ -250,29 +255,26 @@ async def _stream_chat(
         try:
             yield sse_chunk({"role": "assistant", "content": ""})
             while True:
-                if event is _END:
-                    raise RuntimeError("the engine ended a generation without a final event")
                 if isinstance(event, _Failure):
                     raise event.exc
                 if event.finish_reason is None:
                     if event.text:
                         yield sse_chunk({"content": event.text})
                 else:
-                    finish = _finish_reason(event, job, deadline_seconds)
                     _count_chat_tokens(runtime, event.usage)
-                    yield sse_chunk({}, finish_reason=finish)
+                    yield sse_chunk({}, finish_reason=_wire_finish(event.finish_reason))
                     if include_usage:
                         usage = Usage.of(event.usage.prompt_tokens, event.usage.completion_tokens)
                         yield sse_chunk({}, usage=usage, usage_only=True)
                     break
                 event = await next_event()
-        except ClientDisconnectedError:
+        except ClientGoneError:
             return
         except DeciderError as exc:
             yield _sse_data(exc.to_wire())
         except Exception as exc:
             log.exception("stream %s failed", job.request_id)
-            yield _sse_data(internal_error_body(exc))
+            yield _sse_data(internal_error(exc).to_wire())
         finally:
             job.cancel()  # stops generation if the client went away mid-stream
         yield "data: [DONE]\n\n"
@@ -284,12 +286,6 @@ def _sse_data(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-def internal_error_body(exc: BaseException) -> dict[str, Any]:
-    return {
-        "error": {
-            "type": "api_error",
-            "code": "internal_error",
-            "message": f"internal error ({type(exc).__name__}); see the server log",
-            "param": None,
-        }
-    }
+def internal_error(exc: BaseException) -> DeciderError:
+    """What a client sees of a bug: the usual error body, no traceback (that goes to the log)."""
+    return DeciderError(f"internal error ({type(exc).__name__}); see the server log", code="internal_error")

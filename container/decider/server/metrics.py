@@ -15,7 +15,16 @@ from prometheus_client import (
 # Paths that get their own label value; anything else is "other" so that scanners and fuzzers
 # cannot blow up the label cardinality.
 KNOWN_ROUTES = frozenset(
-    {"/ping", "/invocations", "/v1/systemone", "/v1/chat/completions", "/v1/models", "/metrics"}
+    {
+        "/ping",
+        "/invocations",
+        "/v1/systemone",
+        "/v1/systemone/batch",
+        "/v1/decisions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/metrics",
+    }
 )
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 120)
 
@@ -75,6 +84,21 @@ class ServerMetrics:
             "decider_tokens",
             "Tokens processed, by kind (decision_input, prompt, completion).",
             ["kind"],
+            registry=r,
+        )
+        self.decodes = Counter(
+            "decider_engine_decodes", "llama_decode calls (each may carry rows of many requests).", registry=r
+        )
+        self.decode_rows = Histogram(
+            "decider_engine_decode_rows",
+            "Rows (sequences appended to) per llama_decode.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.decode_tokens = Histogram(
+            "decider_engine_decode_tokens",
+            "Tokens per llama_decode.",
+            buckets=(1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096),
             registry=r,
         )
         self.model_ready = Gauge(

@@ -1,9 +1,10 @@
-"""Dispatch of SageMaker's `POST /invocations` to the decision or chat handler.
+"""Dispatch of SageMaker's `POST /invocations` to the decision or chat handlers.
 
 SageMaker forwards `CustomAttributes` verbatim as the `X-Amzn-SageMaker-Custom-Attributes`
 header. A `route=` entry there picks the handler from an allow-list (the convention of the AWS
-llama.cpp container); without one, the body's shape decides: `questions` means a decision,
-`messages` means chat.
+llama.cpp container); without one, the body's shape decides: `input` with a list of `questions`
+means OpenAI's Decisions API, other `questions` a Jev decision (with `states` instead of `state`:
+the batch route), `messages` chat.
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ from typing import Any, Literal
 from decider.errors import NotFoundError, RequestError
 
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
-Target = Literal["decision", "chat"]
-ROUTES: dict[str, Target] = {"/v1/systemone": "decision", "/v1/chat/completions": "chat"}
+Target = Literal["decision", "batch", "openai_decision", "chat"]
+ROUTES: dict[str, Target] = {
+    "/v1/systemone": "decision",
+    "/v1/systemone/batch": "batch",
+    "/v1/decisions": "openai_decision",
+    "/v1/chat/completions": "chat",
+}
 TARGET_PATHS: dict[Target, str] = {target: path for path, target in ROUTES.items()}
 
 
@@ -47,7 +53,8 @@ def target_from_attributes(attributes: dict[str, str]) -> Target | None:
 
 
 def target_from_body(body: Any) -> Target:
-    """Route by shape: `questions` → decision, `messages` → chat."""
+    """Route by shape: `input` + a list of `questions` → OpenAI decision, `questions` → Jev
+    decision (`states` instead of `state`: the batch route), `messages` → chat."""
     if not isinstance(body, dict):
         raise RequestError(
             "the request body must be a JSON object with `questions` (decision) or `messages` (chat)",
@@ -57,11 +64,14 @@ def target_from_body(body: Any) -> Target:
     if has_questions and has_messages:
         raise RequestError(
             "the body has both `questions` and `messages`; name the route with "
-            f"{CUSTOM_ATTRIBUTES_HEADER}: route=/v1/systemone or route=/v1/chat/completions",
+            f"{CUSTOM_ATTRIBUTES_HEADER}: route=/v1/systemone, route=/v1/decisions or "
+            "route=/v1/chat/completions",
             code="ambiguous_body",
         )
     if has_questions:
-        return "decision"
+        if "input" in body and isinstance(body["questions"], list):
+            return "openai_decision"
+        return "batch" if "states" in body and "state" not in body else "decision"
     if has_messages:
         return "chat"
     raise RequestError(

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 from decider.errors import StartupError, UnavailableError
-from decider.server.admission import Scheduler
 from decider.server.metrics import ServerMetrics
+from decider.server.scheduler import Backend, Scheduler
 from decider.settings import Settings
 
 log = logging.getLogger("decider.server")
@@ -25,17 +25,24 @@ State = Literal["loading", "ready", "failed", "stopping"]
 
 
 class Engine(Protocol):
-    """What the server uses of `decider.engine.DecisionEngine` (see CONVENTIONS.md)."""
+    """What the server uses of `decider.engine.DecisionEngine`: planning (any thread) and the
+    backend the scheduler decodes on (the engine thread only)."""
 
     model_info: Any
 
-    def decide(self, request: Any, *, should_stop: Callable[[], bool] | None = None) -> Any: ...
+    @property
+    def runtime(self) -> Backend: ...
 
-    def count_tokens(self, text: str) -> int: ...
+    @property
+    def head_tokens(self) -> list[int]: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def plan_decision(self, request: Any) -> Any: ...
 
-    def generate(self, messages: list[dict[str, str]], **kwargs: Any) -> Any: ...
+    def plan_batch(self, request: Any) -> Any: ...
+
+    def decision_work(self, plan: Any) -> Any: ...
+
+    def chat_plan(self, messages: list[dict[str, str]], **params: Any) -> Any: ...
 
 
 EngineLoader = Callable[[Settings], Engine]
@@ -90,6 +97,7 @@ class ServerRuntime:
                 return
             if self.state == "stopping":
                 return
+            self.scheduler.attach(engine.runtime, engine.head_tokens)
             self.engine = engine
             self.loaded_at = time.time()
             self.state = "ready"
@@ -110,7 +118,9 @@ class ServerRuntime:
                 "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"}
             )
         if self.state == "failed":
-            raise UnavailableError(f"the model failed to load: {self.failure}", code="model_unavailable")
+            raise UnavailableError(
+                f"the model failed to load: {self.failure}", code="model_unavailable", retryable=False
+            )
         raise UnavailableError(
             "the model is still loading", code="model_unavailable", headers={"Retry-After": "2"}
         )

@@ -1,0 +1,126 @@
+"""One decode step being assembled, and the sequences and memory cells it may use.
+
+The scheduler builds a `Step` for every `llama_decode` and lets each running `Work` add rows to it.
+A row is appended tokens for one sequence; its `on_done` callback runs on the engine thread right
+after the decode that carried it, while its logits are still in the context.
+
+Memory epochs (batch-invariant mode). llama.cpp's CPU attention visits a query's cells in cell
+order, so a token's result depends on where its context's cells lie, and llama.cpp puts new tokens
+into the lowest free cells, including holes that removed sequences left below a live prefix. To
+keep every sequence's cells in position order, nothing is freed while decisions run: the cells of
+every row are also owned by two graveyard sequences (`SeqPool.keep`), so removing a sequence
+frees no cell, and memory only grows. When no decision is running, the graveyards are dropped
+(`SeqPool.compact`) and the dead cells are freed at once. Two owners, not one: a sliding-window
+cache reuses a cell owned by a single sequence once that sequence has moved past its window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from decider.engine.native import Row
+
+
+class Memory(Protocol):
+    """The memory operations works need (LlamaRuntime, or a fake in tests)."""
+
+    def seq_copy(self, src: int, dst: int) -> None: ...
+
+    def seq_remove(self, seq_id: int) -> None: ...
+
+
+class SeqPool:
+    """Sequence ids of the one context: reserved ones (head, pad, graveyards) and a free list."""
+
+    def __init__(self, n_seq_max: int, reserved: Iterable[int], graveyards: tuple[int, ...] = ()) -> None:
+        self.graveyards = graveyards
+        self.reserved = frozenset(reserved) | frozenset(graveyards)
+        self._all = [seq for seq in range(n_seq_max - 1, -1, -1) if seq not in self.reserved]
+        self._free = list(self._all)
+        self.capacity = len(self._all)
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    @property
+    def epochs(self) -> bool:
+        return bool(self.graveyards)
+
+    def acquire(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, memory: Memory, seq: int) -> None:
+        """Remove a sequence whole. Its kept cells stay, owned by the graveyards, until `compact`."""
+        memory.seq_remove(seq)
+        self._free.append(seq)
+
+    def keep(self, memory: Memory, seq: int) -> None:
+        """Give the graveyards a share in every cell of `seq` (new cells after a decode)."""
+        for graveyard in self.graveyards:
+            memory.seq_copy(seq, graveyard)
+
+    def compact(self, memory: Memory, live: Iterable[int]) -> None:
+        """Free every dead cell; the cells of the `live` sequences stay kept."""
+        for graveyard in self.graveyards:
+            memory.seq_remove(graveyard)
+        for seq in live:
+            self.keep(memory, seq)
+
+    def reset(self) -> None:
+        """Every sequence is free again (after the memory was cleared)."""
+        self._free = list(self._all)
+
+
+@dataclass(eq=False)
+class PlannedRow:
+    row: Row
+    work: Any
+    on_done: Callable[[Row], None]
+    keep: bool = True  # its cells stay until the epoch ends (batch-invariant mode)
+
+
+@dataclass(eq=False)
+class Step:
+    """The rows of one decode, within a token budget (n_batch) and a memory-cell budget.
+
+    Works reserve the cells of a whole unit of work (a state and all its branches, a chat and its
+    longest answer) when it starts, so a started unit never waits for memory; `cells_left` is
+    what is still unreserved. `capacity` is what the context can hold at all.
+    """
+
+    memory: Memory
+    seqs: SeqPool
+    tokens_left: int
+    cells_left: int
+    capacity: int
+    # Sequences held across steps by prefixes that still need branch sequences to finish. A new
+    # prefix may start only while enough sequences stay free for each of them to open a branch.
+    prefix_holders: int = 0
+    decisions_may_start: bool = True  # false while a request too large for one epoch runs alone
+    alone_possible: bool = True  # true when no other decision has started (such a request may start)
+    rows: list[PlannedRow] = field(default_factory=list)
+
+    def may_hold_prefix(self) -> bool:
+        return self.seqs.available >= self.prefix_holders + 2
+
+    def add(self, work: Any, row: Row, on_done: Callable[[Row], None], *, keep: bool = True) -> None:
+        """Carry `row` in this decode (its cells were reserved when its unit of work started)."""
+        n = len(row.tokens)
+        if n <= 0 or n > self.tokens_left:
+            raise ValueError("a row must fit the step's token budget")
+        self.tokens_left -= n
+        self.rows.append(PlannedRow(row, work, on_done, keep))
+
+    @property
+    def token_count(self) -> int:
+        return sum(len(planned.row.tokens) for planned in self.rows)
+
+    @property
+    def works(self) -> list[Any]:
+        seen: dict[int, Any] = {}
+        for planned in self.rows:
+            seen.setdefault(id(planned.work), planned.work)
+        return list(seen.values())

@@ -1,0 +1,538 @@
+"""Units of engine work as state machines over decode steps: a decision request, a chat completion.
+
+A work never calls `llama_decode` itself. Each step, the scheduler asks it for rows (`plan_step`)
+within the step's token, sequence and memory-cell budgets; after the decode, each row's `on_done`
+feeds its readout back. So one decode can carry rows of many requests: the prefill of one state,
+the question branches of another and the next token of a chat.
+
+Decisions, shared mode: the constant prompt head lives in sequence HEAD_SEQ (computed once). Each
+state gets a sequence copied from it with the state's tokens appended (its prefix); each question
+branch is a copy of that sequence plus the question's tail, read at its last token. Labels of more
+than one token need one more position per distinct label prefix: a copy of the branch plus that
+prefix's last token. Sequences are always removed whole, never truncated (recurrent and hybrid
+models cannot truncate). Fresh mode decodes each question's whole prompt in its own sequence.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from decider.engine.decisions import DecisionPlan, DecisionPlanner, Item, Prefix, StatePlan
+from decider.engine.generation import (
+    FinishReason,
+    GenerationEvent,
+    GenerationUsage,
+    StopFilter,
+    free_sampler,
+    make_sampler,
+)
+from decider.engine.labels import READOUT_CHAIN
+from decider.engine.native import OutputSpec, Row
+from decider.engine.steps import Memory, SeqPool, Step
+
+HEAD_SEQ = 0  # the cached prompt head of the decision prompt version
+
+
+class Work(Protocol):
+    """What the scheduler drives. Cell counts: `future_cells` are reserved and not yet decoded,
+    `live_cells` decoded and still owned, `dead_cells` (cumulative) released into the graveyards."""
+
+    kind: str
+    decodes: int
+
+    @property
+    def cost_tokens(self) -> int: ...
+
+    @property
+    def started(self) -> bool: ...
+
+    @property
+    def exclusive(self) -> bool: ...
+
+    @property
+    def prefix_seqs(self) -> int: ...
+
+    @property
+    def future_cells(self) -> int: ...
+
+    @property
+    def live_cells(self) -> int: ...
+
+    @property
+    def dead_cells(self) -> int: ...
+
+    @property
+    def live_seqs(self) -> list[int]: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+    def plan_step(self, step: Step) -> None: ...
+
+    def outcome(self) -> Any: ...
+
+    def abandon(self, memory: Memory, seqs: SeqPool) -> None: ...
+
+
+# --- decisions ----------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Branch:
+    """A sequence holding one item's prompt plus `prefix` label tokens, up to position `end`."""
+
+    item: Item
+    prefix: Prefix
+    seq: int
+    end: int
+    children: deque[Prefix]
+
+
+@dataclass(eq=False)
+class _StateRun:
+    plan: StatePlan
+    pending: deque[Item]
+    open_items: int
+    item_cells: dict[int, int]  # id(item) -> cells its branches take (tail + label positions)
+    seq: int | None = None  # the prefix sequence, while branches are still to be copied from it
+    started: bool = False
+    streaming: bool = False  # too large for one epoch: branches are freed as they finish
+    prefilled: int = 0
+    decoded: int = 0
+    released: int = 0
+    dead: int = 0
+    branches: list[_Branch] = field(default_factory=list)  # read, with children still to start
+
+    @property
+    def need(self) -> int:
+        """Cells of the whole state: its prefix and every branch and label position."""
+        return len(self.plan.prefix) + sum(self.item_cells.values())
+
+    @property
+    def largest_item(self) -> int:
+        return max(self.item_cells.values())
+
+    @property
+    def future(self) -> int:
+        if not self.started or not self.open_items:
+            return 0
+        if self.streaming:
+            return len(self.plan.prefix) - self.prefilled + self.largest_item
+        return self.need - self.decoded
+
+
+class DecisionWork:
+    """One decision request (or a batch of states sharing its questions) on the shared context."""
+
+    kind = "decision"
+
+    def __init__(self, plan: DecisionPlan, planner: DecisionPlanner) -> None:
+        self.plan = plan
+        self.planner = planner
+        self.head = list(planner.builder.head_tokens)
+        whole = len(self.head) if plan.mode == "fresh" else 0
+        self.states = []
+        for state in plan.states:
+            before = whole + (len(state.prefix) if plan.mode == "fresh" else 0)
+            cells = {id(item): before + len(item.tokens) + len(item.trie.nodes) - 1 for item in state.items}
+            self.states.append(_StateRun(state, deque(state.items), len(state.items), cells))
+        capacity = planner.n_ctx - len(self.head) - 1
+        for run in self.states:
+            run.streaming = bool(run.item_cells) and run.need > capacity
+        self.decodes = 0
+        self.rows = 0
+        self._held: set[int] = set()  # every sequence this request holds, whatever its role
+
+    def _acquire(self, step: Step) -> int:
+        seq = step.seqs.acquire()
+        assert seq is not None, "callers check step.seqs.available first"
+        self._held.add(seq)
+        return seq
+
+    def _free(self, step: Step, seq: int) -> None:
+        self._held.discard(seq)
+        step.seqs.release(step.memory, seq)
+
+    @property
+    def cost_tokens(self) -> int:
+        return self.plan.cost_tokens
+
+    @property
+    def finished(self) -> bool:
+        return all(state.open_items == 0 for state in self.states)
+
+    @property
+    def started(self) -> bool:
+        return any(state.started for state in self.states)
+
+    @property
+    def exclusive(self) -> bool:
+        """Some state cannot fit one memory epoch: the request runs with no other decision beside it."""
+        return any(state.streaming for state in self.states)
+
+    @property
+    def prefix_seqs(self) -> int:
+        return sum(1 for state in self.states if state.seq is not None)
+
+    @property
+    def future_cells(self) -> int:
+        return sum(state.future for state in self.states)
+
+    @property
+    def live_cells(self) -> int:
+        return sum(state.decoded - state.released for state in self.states)
+
+    @property
+    def dead_cells(self) -> int:
+        return sum(state.dead for state in self.states)
+
+    @property
+    def live_seqs(self) -> list[int]:
+        return sorted(self._held)
+
+    def outcome(self) -> Any:
+        return self.planner.respond(self.plan, {"decodes": self.decodes, "rows": self.rows})
+
+    # --- planning ---------------------------------------------------------------------------------
+    def plan_step(self, step: Step) -> None:
+        before = len(step.rows)
+        for state in self.states:
+            if state.open_items == 0:
+                continue
+            if not state.started and not self._start_state(state, step):
+                continue
+            if self.plan.mode == "shared":
+                self._plan_shared(state, step)
+            else:
+                self._plan_fresh(state, step)
+        if len(step.rows) > before:
+            self.decodes += 1
+            self.rows += len(step.rows) - before
+
+    def _start_state(self, state: _StateRun, step: Step) -> bool:
+        """Reserve the state's cells (all of them; a streaming state: its prefix and one branch)."""
+        if state.streaming:
+            if not step.alone_possible:
+                return False
+            reserve = len(state.plan.prefix) + state.largest_item
+        else:
+            if not step.decisions_may_start:
+                return False
+            reserve = state.need
+        shared = self.plan.mode == "shared"
+        if step.cells_left < reserve or (shared and not step.may_hold_prefix()):
+            return False
+        step.cells_left -= reserve
+        state.started = True
+        if shared:
+            seq = self._acquire(step)
+            step.memory.seq_copy(HEAD_SEQ, seq)
+            state.seq = seq
+            step.prefix_holders += 1
+        return True
+
+    def _plan_shared(self, state: _StateRun, step: Step) -> None:
+        prefix = state.plan.prefix
+        if state.prefilled < len(prefix):
+            take = min(len(prefix) - state.prefilled, step.tokens_left)
+            if take > 0:
+                start = state.prefilled
+                assert state.seq is not None
+                row = Row(state.seq, prefix[start : start + take], len(self.head) + start)
+                step.add(self, row, lambda _row: self._prefilled(state, take))
+            return  # branches are copied only from a fully decoded prefix
+        self._plan_children(state, step)
+        base = len(self.head) + len(prefix)
+        while state.pending and step.seqs.available and self._fits(step, state, state.pending[0], 0):
+            item = state.pending.popleft()
+            seq = self._acquire(step)
+            assert state.seq is not None
+            step.memory.seq_copy(state.seq, seq)
+            self._open_branch(step, state, item, seq, item.tokens, base)
+        if not state.pending and state.seq is not None:
+            self._free(step, state.seq)  # every branch holds the prefix's cells now
+            state.seq = None
+            step.prefix_holders -= 1
+
+    def _prefilled(self, state: _StateRun, take: int) -> None:
+        state.prefilled += take
+        state.decoded += take
+
+    def _plan_fresh(self, state: _StateRun, step: Step) -> None:
+        self._plan_children(state, step)
+        before = [*self.head, *state.plan.prefix]
+        while (
+            state.pending and step.seqs.available and self._fits(step, state, state.pending[0], len(before))
+        ):
+            item = state.pending.popleft()
+            self._open_branch(step, state, item, self._acquire(step), [*before, *item.tokens], 0)
+
+    @staticmethod
+    def _fits(step: Step, state: _StateRun, item: Item, before: int) -> bool:
+        """The item's branch row fits this step (`before`: prompt tokens ahead of its own, fresh mode)."""
+        cells = state.item_cells[id(item)]
+        if before + len(item.tokens) > step.tokens_left:
+            return False
+        if state.streaming:  # beyond its reservation, a streaming state takes what is free
+            if cells > step.cells_left:
+                return False
+            step.cells_left -= cells
+        return True
+
+    def _open_branch(
+        self, step: Step, state: _StateRun, item: Item, seq: int, tokens: Sequence[int], start: int
+    ) -> None:
+        end = start + len(tokens)
+        row = Row(seq, tokens, start, self._spec(item, ()))
+        branch = _Branch(item, (), seq, end, deque())
+        step.add(self, row, lambda done: self._read(step, state, branch, done), keep=not state.streaming)
+
+    def _plan_children(self, state: _StateRun, step: Step) -> None:
+        """Positions for multi-token labels: copy a read branch, append one label token, read there."""
+        for branch in list(state.branches):
+            while branch.children and step.seqs.available and step.tokens_left:
+                child = branch.children.popleft()
+                seq = self._acquire(step)
+                step.memory.seq_copy(branch.seq, seq)
+                row = Row(seq, [child[-1]], branch.end, self._spec(branch.item, child))
+                grown = _Branch(branch.item, child, seq, branch.end + 1, deque())
+                step.add(
+                    self,
+                    row,
+                    lambda done, grown=grown: self._read(step, state, grown, done),
+                    keep=not state.streaming,
+                )
+            if not branch.children:
+                state.branches.remove(branch)
+                self._drop(step, state, branch)
+
+    def _read(self, step: Step, state: _StateRun, branch: _Branch, done: Row) -> None:
+        assert done.result is not None
+        state.decoded += len(done.tokens)
+        branch.item.outputs[branch.prefix] = done.result
+        branch.children.extend(branch.item.trie.children(branch.prefix))
+        if branch.children:
+            state.branches.append(branch)
+        else:
+            self._drop(step, state, branch)
+
+    def _drop(self, step: Step, state: _StateRun, branch: _Branch) -> None:
+        """Remove a branch whose children have all started; close its item once fully read."""
+        self._free(step, branch.seq)
+        item = branch.item
+        if len(item.outputs) == len(item.trie.nodes) and not any(b.item is item for b in state.branches):
+            self._release(step.seqs, state, state.item_cells[id(item)], kept=not state.streaming)
+            if state.streaming:
+                step.cells_left += state.item_cells[id(item)]
+            state.open_items -= 1
+            if state.open_items == 0:
+                self._release(step.seqs, state, len(state.plan.prefix) if self.plan.mode == "shared" else 0)
+
+    @staticmethod
+    def _release(seqs: SeqPool, state: _StateRun, cells: int, *, kept: bool = True) -> None:
+        state.released += cells
+        if kept and seqs.epochs:
+            state.dead += cells
+
+    def _spec(self, item: Item, prefix: Prefix) -> OutputSpec:
+        extensions = self.plan.options.extensions
+        return OutputSpec(
+            token_ids=item.trie.nodes[prefix],
+            logsumexp=item.readout == READOUT_CHAIN or extensions,
+            argmax=extensions and not prefix,
+        )
+
+    def abandon(self, memory: Memory, seqs: SeqPool) -> None:
+        """Release every sequence (the request was cancelled or failed), planned rows' included."""
+        for seq in sorted(self._held):
+            seqs.release(memory, seq)
+        self._held.clear()
+        for state in self.states:
+            state.branches.clear()
+            state.seq = None
+            state.pending.clear()
+            state.open_items = 0
+            self._release(seqs, state, state.decoded - state.released)
+
+
+# --- chat ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChatPlan:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @property
+    def cost_tokens(self) -> int:
+        return len(self.prompt)
+
+
+class Sampling(Memory, Protocol):
+    def sample(self, sampler: Any, batch_index: int) -> int: ...
+
+    def piece(self, token: int, *, special: bool = False) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+
+class ChatWork:
+    """One chat completion: prefill the prompt in its own sequence, then one token per step."""
+
+    kind = "chat"
+
+    def __init__(self, plan: ChatPlan, emit: Callable[[GenerationEvent], None] | None = None) -> None:
+        self.plan = plan
+        self._emit = emit
+        self.decodes = 0
+        self._seq: int | None = None
+        self._decoded = 0
+        self._dead = 0
+        self._prefilled = 0
+        self._position = 0
+        self._last: int | None = None
+        self._produced = 0
+        self._parts: list[str] = []
+        self._finish: FinishReason | None = None
+        self._sampler: Any = None
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = StopFilter(plan.stop)
+        self.first_token_at: float | None = None
+
+    @property
+    def cost_tokens(self) -> int:
+        return self.plan.cost_tokens
+
+    prefix_seqs = 0  # a generation never waits for another sequence
+    exclusive = False
+
+    @property
+    def started(self) -> bool:
+        return self._seq is not None or self._finish is not None
+
+    @property
+    def future_cells(self) -> int:
+        if self._seq is None:
+            return 0
+        return len(self.plan.prompt) + self.plan.max_tokens - self._decoded
+
+    @property
+    def live_cells(self) -> int:
+        return self._decoded if self._seq is not None else 0
+
+    @property
+    def dead_cells(self) -> int:
+        return self._dead
+
+    @property
+    def live_seqs(self) -> list[int]:
+        return [] if self._seq is None else [self._seq]
+
+    @property
+    def finished(self) -> bool:
+        return self._finish is not None
+
+    def outcome(self) -> tuple[str, FinishReason, GenerationUsage]:
+        assert self._finish is not None
+        return "".join(self._parts), self._finish, self._usage()
+
+    def _usage(self) -> GenerationUsage:
+        return GenerationUsage(prompt_tokens=len(self.plan.prompt), completion_tokens=self._produced)
+
+    def plan_step(self, step: Step) -> None:
+        if self._finish is not None:
+            return
+        if self._seq is None:
+            # The whole generation's cells are reserved up front: it never runs out mid-answer.
+            need = len(self.plan.prompt) + self.plan.max_tokens
+            if not step.seqs.available or step.cells_left < need:
+                return
+            self._seq = step.seqs.acquire()
+            self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed)
+            step.cells_left -= need
+        assert self._seq is not None
+        prompt = self.plan.prompt
+        if self._prefilled < len(prompt):
+            take = min(len(prompt) - self._prefilled, step.tokens_left)
+            if take <= 0:
+                return
+            start = self._prefilled
+            last = start + take == len(prompt)
+            row = Row(
+                self._seq, prompt[start : start + take], start, OutputSpec(sample=True) if last else None
+            )
+            self._add(step, row, lambda done: self._after_prefill(step, take, done, last))
+        elif self._last is not None and step.tokens_left:
+            row = Row(self._seq, [self._last], self._position, OutputSpec(sample=True))
+            self._last = None
+            self._position += 1
+            self._add(step, row, lambda done: self._sampled(step, done))
+
+    def _add(self, step: Step, row: Row, on_done: Callable[[Row], None]) -> None:
+        def done(finished: Row) -> None:
+            self._decoded += len(finished.tokens)
+            on_done(finished)
+
+        step.add(self, row, done)
+        self.decodes += 1
+
+    def _after_prefill(self, step: Step, take: int, done: Row, last: bool) -> None:
+        self._prefilled += take
+        self._position = self._prefilled
+        if last:
+            self._sampled(step, done)
+
+    def _sampled(self, step: Step, done: Row) -> None:
+        assert done.result is not None
+        runtime: Sampling = step.memory  # type: ignore[assignment]
+        token = runtime.sample(self._sampler, done.result.batch_index)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if runtime.is_eog(token):
+            self._end(step, "stop")
+            return
+        self._produced += 1
+        text, stop_hit = self._stops.push(self._decoder.decode(runtime.piece(token)))
+        self._say(text)
+        if stop_hit:
+            self._end(step, "stop", flush=False)
+        elif self._produced >= self.plan.max_tokens:
+            self._end(step, "length")
+        else:
+            self._last = token
+
+    def _say(self, text: str) -> None:
+        if text:
+            self._parts.append(text)
+            if self._emit is not None:
+                self._emit(GenerationEvent(text=text))
+
+    def _end(self, step: Step, reason: FinishReason, *, flush: bool = True) -> None:
+        if flush:
+            # Whatever was held back as a possible stop prefix (or an unfinished character) is text.
+            text, stop_hit = self._stops.push(self._decoder.decode(b"", final=True))
+            self._say(text if stop_hit else text + self._stops.flush())
+        self._finish = reason
+        self._release(step.memory, step.seqs)
+        if self._emit is not None:
+            self._emit(GenerationEvent(finish_reason=reason, usage=self._usage()))
+
+    def _release(self, memory: Memory, seqs: SeqPool) -> None:
+        if self._seq is not None:
+            seqs.release(memory, self._seq)
+            self._seq = None
+            if seqs.epochs:
+                self._dead += self._decoded
+        if self._sampler is not None:
+            free_sampler(self._sampler)
+            self._sampler = None
+
+    def abandon(self, memory: Memory, seqs: SeqPool) -> None:
+        self._release(memory, seqs)
+        if self._finish is None:
+            self._finish = "cancelled"

@@ -1,0 +1,569 @@
+"""Who runs when: admission, continuous batching across requests, deadlines and cancellation.
+
+The engine is not thread-safe, so ONE engine thread owns the llama context (the model load
+included). Requests are admitted on the event loop: refused at once with 429 when `queue_size`
+requests are already waiting to start, with 503 `deadline_unreachable` when the tokens ahead of
+them cannot be decoded before their deadline, and with a 4xx when the request alone could not be
+decoded in time even on an idle server (a retry cannot succeed). Admitted work is a `Work` state
+machine (decision or chat); every loop of the engine thread builds ONE decode step from every
+running work, up to `n_batch` tokens, the free sequences and the free memory cells: the next token
+of each chat first (a generation interleaves with decisions token by token), then the rows of the
+decisions and chat prefills in the order they were admitted. Each work keeps its own deadline,
+cancellation and errors: one bad work never fails its neighbours.
+
+Deadlines are decided on the engine thread: work that completes after its deadline is a 504, work
+that completes before it is answered, whatever the event loop's timing. A step whose works have all
+been told to stop (deadline, client gone, shutdown) is aborted inside `llama_decode` through
+llama.cpp's abort callback, which it checks between graph nodes; a cancelled work that shares a step
+with live ones stops at the end of that step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from decider.engine.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
+from decider.engine.steps import PlannedRow, SeqPool, Step
+from decider.engine.work import HEAD_SEQ, Work
+from decider.errors import (
+    DeadlineExceededError,
+    DeciderError,
+    OverloadedError,
+    RequestError,
+    RequestExceedsDeadlineError,
+    UnavailableError,
+)
+from decider.server.metrics import ServerMetrics
+
+log = logging.getLogger("decider.server")
+T = TypeVar("T")
+EWMA_WEIGHT = 0.3  # weight of the newest measurement in the running estimates
+MIN_TIMED_TOKENS = 32  # steps smaller than this say more about per-step overhead than per-token cost
+ENGINE_NICENESS = 10  # how much lower the engine thread's CPU priority is than the HTTP loop's
+MAX_RETRY_AFTER_SECONDS = 60
+# A 504 after waiting at least this share of the deadline in the queue may succeed on a retry; one
+# whose work had the model nearly all along would only time out again.
+RETRYABLE_WAIT_FRACTION = 0.1
+# A request is refused as too large for the deadline (a 4xx, never retried) only if it could not
+# finish at the best decode rate of the last RATE_WINDOW timed steps: a busy machine's slow
+# moments must not turn into permanent refusals.
+RATE_WINDOW = 64
+
+
+class Backend(Protocol):
+    """What the scheduler needs of the loaded model (LlamaRuntime, or a fake in tests)."""
+
+    n_ctx: int
+    n_seq_max: int
+
+    @property
+    def n_batch(self) -> int: ...
+
+    @property
+    def pad_seq(self) -> int | None: ...
+
+    def decode(self, rows: list[Row], *, should_abort: Callable[[], bool] | None = None) -> None: ...
+
+    def seq_copy(self, src: int, dst: int) -> None: ...
+
+    def seq_remove(self, seq_id: int) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Job:
+    """One admitted request: its deadline and its cancellation flag, shared with the engine thread."""
+
+    kind: str
+    request_id: str
+    deadline: float  # time.monotonic()
+    admitted_at: float
+    cost_tokens: int = 0
+    started_at: float | None = None
+    completed_at: float | None = None
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) >= self.deadline
+
+    def should_stop(self) -> bool:
+        """True once the caller has gone, the deadline has passed, or the server is stopping."""
+        return self.cancelled or self.expired()
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+def lower_engine_thread_priority() -> None:
+    """Run inference at a lower CPU priority than the HTTP event loop.
+
+    On Linux a thread's nice value is its own and is inherited by threads it starts, so this also
+    covers llama.cpp's compute threads (created from the engine thread on first use). When the
+    cores are saturated by inference, `/ping` and admission still get the CPU at once.
+    """
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: keep going
+        tid = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, current + ENGINE_NICENESS))
+
+
+def deadline_error(job: Job, deadline_seconds: float) -> DeadlineExceededError:
+    where = "waiting for the model" if job.started_at is None else "while the model was working"
+    waited = (job.started_at or time.monotonic()) - job.admitted_at
+    return DeadlineExceededError(
+        f"the request passed its {deadline_seconds:g} s deadline {where} "
+        f"(DECIDER_DEADLINE_SECONDS); retry later or send less work per request",
+        code="deadline_exceeded",
+        retryable=waited >= RETRYABLE_WAIT_FRACTION * deadline_seconds,
+    )
+
+
+def shutting_down() -> UnavailableError:
+    return UnavailableError("the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+
+
+class ClientGoneError(Exception):
+    """The caller went away; nobody reads this work's answer."""
+
+
+@dataclass(eq=False)
+class _Running:
+    job: Job
+    work: Work
+    future: Future[Any]
+    decoded: int = 0  # tokens decoded so far (for the wait estimate)
+
+    @property
+    def started(self) -> bool:
+        return self.job.started_at is not None
+
+
+class Scheduler:
+    """Owns the engine thread, the admission queue and the batching of every decode."""
+
+    def __init__(self, *, queue_size: int, deadline_seconds: float, metrics: ServerMetrics) -> None:
+        self.queue_size = queue_size
+        self.deadline_seconds = deadline_seconds
+        self._metrics = metrics
+        self._cond = threading.Condition()
+        self._control: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._works: list[_Running] = []  # in admission order
+        self._admitted: set[Job] = set()  # admitted, not yet finished (includes not yet submitted)
+        self._closed = False
+        self._hard_stop = False
+        self._backend: Backend | None = None
+        self._seqs: SeqPool | None = None
+        self._dead_removed = 0  # dead cells of works already gone, since the last compaction
+        self._head: list[int] = []
+        self._head_ready = False
+        self.seconds_per_token: float | None = None  # recent decode cost (EWMA): for waits
+        self._recent_rates: deque[float] = deque(maxlen=RATE_WINDOW)  # for "cannot fit even idle"
+        self.decodes = 0
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # --- engine thread setup -------------------------------------------------------------------
+    def submit_unscheduled(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the engine thread outside admission control (the model load)."""
+        future: Future[T] = Future()
+        with self._cond:
+            self._control.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def attach(self, backend: Backend, head_tokens: list[int]) -> None:
+        """Start batching on a loaded model (called on the engine thread, after the load).
+
+        Batch-invariant models (those with an invariance pad) run in memory epochs: two sequences
+        become the graveyards that keep every cell until no decision runs (see decider.engine.steps).
+        """
+        n = backend.n_seq_max
+        if backend.pad_seq is None:
+            self._seqs = SeqPool(n, (HEAD_SEQ,))
+        else:
+            self._seqs = SeqPool(n, (HEAD_SEQ, backend.pad_seq), graveyards=(n - 2, n - 3))
+        self._head = list(head_tokens)
+        self._head_ready = False
+        self._backend = backend
+
+    # --- admission (event loop) ----------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Admitted requests that have not started on the engine yet."""
+        with self._cond:
+            return sum(1 for job in self._admitted if job.started_at is None)
+
+    def admit(self, kind: str, request_id: str, cost_tokens: int = 0) -> Job:
+        """Admit a request or refuse it at once (429 queue full, 503 deadline unreachable or stopping,
+        422 when it cannot finish in time even alone)."""
+        now = time.monotonic()
+        with self._cond:
+            if self._closed:
+                raise shutting_down()
+            waiting = sum(1 for job in self._admitted if job.started_at is None)
+            ahead = self._tokens_ahead_locked()
+            spt = self.seconds_per_token
+            predicted_wait = ahead * spt if spt else 0.0
+            if self._admitted and waiting >= self.queue_size:
+                self._metrics.rejections.labels("queue_full").inc()
+                retry_after = _retry_after(predicted_wait)
+                raise OverloadedError(
+                    f"{self.queue_size} requests are already waiting for the model (DECIDER_QUEUE_SIZE); "
+                    f"retry after {retry_after} s",
+                    code="queue_full",
+                    headers={"Retry-After": str(retry_after)},
+                )
+            if spt and cost_tokens:
+                own = cost_tokens * spt
+                best = cost_tokens * min(self._recent_rates, default=spt)
+                if best > self.deadline_seconds:
+                    self._metrics.rejections.labels("request_exceeds_deadline").inc()
+                    raise RequestExceedsDeadlineError(
+                        f"this request is {cost_tokens} tokens of work, at least {best:.0f} s on this "
+                        f"endpoint, more than the {self.deadline_seconds:g} s deadline "
+                        "(DECIDER_DEADLINE_SECONDS) even with nothing else running; send fewer questions or "
+                        "states per request"
+                    )
+                if predicted_wait + own > self.deadline_seconds:
+                    self._metrics.rejections.labels("deadline_unreachable").inc()
+                    retry_after = _retry_after(predicted_wait)
+                    raise UnavailableError(
+                        f"the requests ahead need about {predicted_wait:.1f} s and this one "
+                        f"about {own:.1f} s, more than the {self.deadline_seconds:g} s deadline "
+                        "(DECIDER_DEADLINE_SECONDS)",
+                        code="deadline_unreachable",
+                        headers={"Retry-After": str(retry_after)},
+                    )
+            job = Job(kind, request_id, now + self.deadline_seconds, now, cost_tokens)
+            self._admitted.add(job)
+            self._update_gauges_locked()
+        return job
+
+    def _tokens_ahead_locked(self) -> int:
+        submitted = {id(r.job) for r in self._works}
+        pending = sum(job.cost_tokens for job in self._admitted if id(job) not in submitted)
+        return pending + sum(max(0, r.work.cost_tokens - r.decoded) for r in self._works)
+
+    def _update_gauges_locked(self) -> None:
+        started = sum(1 for r in self._works if r.started)
+        self._metrics.queue_depth.set(len(self._admitted) - started)
+        self._metrics.engine_busy.set(started)
+
+    # --- execution (event loop) ----------------------------------------------------------------
+    def submit(self, job: Job, work: Work) -> Future[Any]:
+        """Hand an admitted job's work to the engine thread; the future resolves with its outcome."""
+        future: Future[Any] = Future()
+        with self._cond:
+            if self._closed:
+                self._admitted.discard(job)
+                future.set_exception(shutting_down())
+                return future
+            self._works.append(_Running(job, work, future))
+            self._cond.notify()
+        return future
+
+    async def run(self, job: Job, work: Work) -> Any:
+        """Run `work` and wait for it, at most until the job's deadline."""
+        future = self.submit(job, work)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout=job.remaining() + 0.05)
+        except TimeoutError:
+            job.cancel()
+            if future.done() and future.exception() is None:
+                return future.result()  # completed in time, by the engine's clock
+            raise deadline_error(job, self.deadline_seconds) from None
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+
+    def close(self) -> None:
+        """Refuse new work, stop what is left (abort the decode in flight) and end the engine thread."""
+        with self._cond:
+            self._closed = True
+            self._hard_stop = True
+            for running in self._works:
+                running.job.cancel()
+            self._cond.notify()
+
+    # --- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        lower_engine_thread_priority()
+        while True:
+            with self._cond:
+                while not self._control and not (self._works and self._backend) and not self._closed:
+                    self._cond.wait()
+                control, self._control = self._control, []
+                if self._closed and not control:
+                    self._drain_locked()
+                    return
+            for fn, future in control:
+                _run_into(fn, future)
+            if self._backend is not None and self._works:
+                try:
+                    self._iterate()
+                except Exception as exc:  # a bug must fail the requests in flight, never the thread
+                    log.exception("the engine loop failed; every running request fails")
+                    self._reset(self._backend, NativeError(f"{type(exc).__name__}: {exc}"))
+
+    def _drain_locked(self) -> None:
+        for running in self._works:
+            self._abandon(running, shutting_down())
+        self._works.clear()
+
+    def _iterate(self) -> None:
+        self._reap()
+        if not self._works:
+            return
+        backend = self._backend
+        assert backend is not None and self._seqs is not None
+        try:
+            if not self._head_ready:
+                self._decode_head(backend)
+            self._maybe_compact(backend)
+            step = self._plan(backend)
+            if not step.rows:
+                self._unblock()
+                with self._cond:  # nothing can move until a deadline passes or new work arrives
+                    self._cond.wait(timeout=0.01)
+                return
+            self._execute(backend, step)
+        except NativeError as exc:  # not a full cache, not an abort: the context itself failed
+            log.exception("llama.cpp failed; every running request fails and the memory is reset")
+            self._reset(backend, exc)
+            return
+        self._complete()
+
+    def _decode_head(self, backend: Backend) -> None:
+        assert self._seqs is not None
+        if self._head:
+            backend.decode([Row(HEAD_SEQ, self._head, 0)])
+            self._seqs.keep(backend, HEAD_SEQ)
+        self._head_ready = True
+
+    def _dead_cells(self) -> int:
+        return self._dead_removed + sum(r.work.dead_cells for r in self._works)
+
+    def _maybe_compact(self, backend: Backend) -> None:
+        """End the memory epoch when no decision is running: free every dead cell at once."""
+        assert self._seqs is not None
+        if not self._seqs.epochs or not self._dead_cells():
+            return
+        if any(r.work.kind == "decision" and r.work.started for r in self._works):
+            return
+        live = [HEAD_SEQ, *(seq for r in self._works for seq in r.work.live_seqs)]
+        self._seqs.compact(backend, live)
+        self._dead_removed = 0
+
+    def _plan(self, backend: Backend) -> Step:
+        assert self._seqs is not None
+        held = sum(r.work.live_cells + r.work.future_cells for r in self._works) + self._dead_cells()
+        fixed = len(self._head) + (1 if backend.pad_seq is not None else 0)
+        capacity = backend.n_ctx - fixed
+        step = Step(backend, self._seqs, backend.n_batch, capacity - held, capacity)
+        step.prefix_holders = sum(r.work.prefix_seqs for r in self._works)
+        now = time.monotonic()
+        order = [r for r in self._works if r.work.kind == "chat" and r.started] + [
+            r for r in self._works if not (r.work.kind == "chat" and r.started)
+        ]
+        for running in order:
+            if step.tokens_left <= 0:
+                break
+            started = [r for r in self._works if r.work.kind == "decision" and r.work.started]
+            alone = any(r.work.exclusive for r in started)
+            step.decisions_may_start = not alone or running.work.exclusive
+            step.alone_possible = all(r is running for r in started)
+            before = len(step.rows)
+            running.work.plan_step(step)
+            if len(step.rows) > before and running.job.started_at is None:
+                running.job.started_at = now
+                self._metrics.queue_wait.labels(running.job.kind).observe(now - running.job.admitted_at)
+        with self._cond:
+            self._update_gauges_locked()
+        return step
+
+    def _execute(self, backend: Backend, step: Step) -> None:
+        jobs = [self._job_of(work) for work in step.works]
+
+        def should_abort() -> bool:
+            return self._hard_stop or all(job.should_stop() for job in jobs)
+
+        started = time.monotonic()
+        self._decode_split(backend, step.rows, should_abort)
+        elapsed = time.monotonic() - started
+        tokens = step.token_count
+        self.decodes += 1
+        self._metrics.decodes.inc()
+        self._metrics.decode_rows.observe(len(step.rows))
+        self._metrics.decode_tokens.observe(tokens)
+        if tokens >= MIN_TIMED_TOKENS:
+            rate = elapsed / tokens
+            self._recent_rates.append(rate)
+            previous = self.seconds_per_token
+            self.seconds_per_token = (
+                rate if previous is None else (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * rate
+            )
+
+    def _decode_split(
+        self, backend: Backend, rows: list[PlannedRow], should_abort: Callable[[], bool]
+    ) -> None:
+        """Decode `rows`; when no memory slot is free for all of them, halve and retry each half."""
+        try:
+            backend.decode([planned.row for planned in rows], should_abort=should_abort)
+        except KvCacheFullError:
+            if len(rows) == 1:
+                self._fail(
+                    rows[0].work,
+                    UnavailableError(
+                        "the model's memory is full for this request right now; retry shortly",
+                        code="kv_cache_full",
+                        headers={"Retry-After": "1"},
+                    ),
+                )
+                return
+            half = len(rows) // 2
+            self._decode_split(backend, rows[:half], should_abort)
+            self._decode_split(backend, rows[half:], should_abort)
+            return
+        except DecodeAbortedError:
+            return  # every work in it is stopping; `_reap` releases them
+        seqs = self._seqs
+        assert seqs is not None
+        if seqs.epochs:  # before any on_done can remove a sequence
+            for seq in {planned.row.seq_id for planned in rows if planned.keep}:
+                seqs.keep(backend, seq)
+        for planned in rows:
+            running = self._running_of(planned.work)
+            if running is None:  # failed earlier in this step
+                continue
+            running.decoded += len(planned.row.tokens)
+            planned.on_done(planned.row)
+
+    def _job_of(self, work: Work) -> Job:
+        running = self._running_of(work)
+        assert running is not None
+        return running.job
+
+    def _running_of(self, work: Work) -> _Running | None:
+        return next((r for r in self._works if r.work is work), None)
+
+    def _reap(self) -> None:
+        """Release the works whose caller can no longer use an answer."""
+        now = time.monotonic()
+        for running in list(self._works):
+            job = running.job
+            if self._hard_stop:
+                self._remove(running, shutting_down())
+            elif job.expired(now):
+                self._remove(running, deadline_error(job, self.deadline_seconds))
+            elif job.cancelled:
+                self._remove(running, ClientGoneError())
+
+    def _complete(self) -> None:
+        now = time.monotonic()
+        for running in list(self._works):
+            if not running.work.finished:
+                continue
+            job = running.job
+            job.completed_at = now
+            with self._cond:
+                self._works.remove(running)
+                self._dead_removed += running.work.dead_cells
+                self._admitted.discard(job)
+                self._update_gauges_locked()
+            if job.started_at is not None:
+                self._metrics.engine_seconds.labels(job.kind).observe(now - job.started_at)
+            if now > job.deadline:  # decided here, on the engine's clock: late is late
+                running.future.set_exception(deadline_error(job, self.deadline_seconds))
+                continue
+            try:
+                outcome = running.work.outcome()
+            except Exception as exc:  # an answer that cannot be assembled fails alone
+                log.exception("request %s: assembling the answer failed", job.request_id)
+                running.future.set_exception(exc)
+            else:
+                running.future.set_result(outcome)
+
+    def _unblock(self) -> None:
+        """No row fits although works are waiting: if nothing holds memory, the first can never run."""
+        if any(r.started for r in self._works):
+            return
+        first = self._works[0]
+        self._remove(
+            first,
+            RequestError(
+                "this request does not fit the model's context even alone (DECIDER_N_CTX, DECIDER_N_SEQ_MAX)",
+                code="context_length_exceeded",
+            ),
+        )
+
+    def _fail(self, work: Work, error: BaseException) -> None:
+        running = self._running_of(work)
+        if running is not None:
+            self._remove(running, error)
+
+    def _remove(self, running: _Running, error: BaseException) -> None:
+        self._abandon(running, error)
+        with self._cond:
+            if running in self._works:
+                self._works.remove(running)
+                self._dead_removed += running.work.dead_cells
+            self._admitted.discard(running.job)
+            self._update_gauges_locked()
+
+    def _abandon(self, running: _Running, error: BaseException) -> None:
+        if self._backend is not None and self._seqs is not None:
+            try:
+                running.work.abandon(self._backend, self._seqs)
+            except NativeError:
+                log.exception("releasing request %s's sequences failed", running.job.request_id)
+        if not running.future.done():
+            running.future.set_exception(error)
+
+    def _reset(self, backend: Backend, exc: NativeError) -> None:
+        error = DeciderError(f"the model failed to evaluate the prompt: {exc}", code="backend_failed")
+        with self._cond:
+            failed, self._works = self._works, []
+            for running in failed:
+                self._admitted.discard(running.job)
+            self._update_gauges_locked()
+        for running in failed:
+            running.job.cancel()
+            if not running.future.done():
+                running.future.set_exception(error)
+        backend.clear()
+        assert self._seqs is not None
+        self._seqs.reset()
+        self._dead_removed = 0
+        self._head_ready = False
+
+
+def _retry_after(predicted_wait: float) -> int:
+    return min(MAX_RETRY_AFTER_SECONDS, max(1, math.ceil(predicted_wait)))
+
+
+def _run_into(fn: Callable[[], Any], future: Future[Any]) -> None:
+    try:
+        result = fn()
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

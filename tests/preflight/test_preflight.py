@@ -1,0 +1,246 @@
+"""`preflight` against stubbed AWS APIs (botocore Stubber): what a new account lacks, and how to fix it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+
+from stacks.config import load_config
+from stacks.synth import cdk_json_context
+from tools.preflight import checks, cli
+
+ACCOUNT, REGION = "123456789012", "eu-west-1"
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+SERVICES = ("service-quotas", "sagemaker", "ssm", "cloudformation", "s3", "sts")
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(name, value)
+    clients = {name: boto3.client(name, region_name=REGION) for name in SERVICES}
+    stubs = {name: Stubber(client) for name, client in clients.items()}
+    for stub in stubs.values():
+        stub.activate()
+    stubs["sts"].add_response(
+        "get_caller_identity",
+        {"Account": ACCOUNT, "Arn": f"arn:aws:iam::{ACCOUNT}:user/ops", "UserId": "AIDAEXAMPLE"},
+    )
+    yield {"clients": clients, **stubs}
+    for stub in stubs.values():
+        stub.assert_no_pending_responses()
+        stub.deactivate()
+
+
+def quotas(aws, service: str, defaults: dict[str, float], applied: dict[str, float] | None = None) -> None:
+    def entries(values):
+        return [
+            {"ServiceCode": service, "QuotaCode": f"L-{abs(hash(n)) % 10**8:08d}", "QuotaName": n, "Value": v}
+            for n, v in values.items()
+        ]
+
+    aws["service-quotas"].add_response(
+        "list_aws_default_service_quotas", {"Quotas": entries(defaults)}, {"ServiceCode": service}
+    )
+    aws["service-quotas"].add_response(
+        "list_service_quotas", {"Quotas": entries(applied or {})}, {"ServiceCode": service}
+    )
+
+
+def bootstrapped(aws, version: str = "21") -> None:
+    aws["cloudformation"].add_response(
+        "describe_stacks",
+        {"Stacks": [{"StackName": "CDKToolkit", "StackStatus": "UPDATE_COMPLETE", "CreationTime": NOW}]},
+        {"StackName": "CDKToolkit"},
+    )
+    aws["ssm"].add_response(
+        "get_parameter",
+        {"Parameter": {"Name": checks.BOOTSTRAP_PARAMETER, "Value": version, "Type": "String"}},
+        {"Name": checks.BOOTSTRAP_PARAMETER},
+    )
+
+
+def no_stack(aws, name: str) -> None:
+    aws["cloudformation"].add_client_error(
+        "describe_stacks",
+        "ValidationError",
+        f"Stack with id {name} does not exist",
+        expected_params={"StackName": name},
+    )
+
+
+def no_endpoints(aws) -> None:
+    aws["sagemaker"].add_response("list_endpoints", {"Endpoints": []})
+
+
+def fresh_names(aws) -> None:
+    no_stack(aws, "ImageStack")
+    aws["s3"].add_client_error("head_bucket", "404", http_status_code=404)
+    for name in ("decider-cpu", "decider-gpu"):
+        aws["sagemaker"].add_client_error(
+            "describe_endpoint",
+            "ValidationException",
+            f"Could not find endpoint {name}",
+            expected_params={"EndpointName": name},
+        )
+
+
+CODEBUILD_OK = {
+    "Concurrently running builds for Linux/Small environment": 5,
+    "Concurrently running builds for Linux/Large environment": 2,
+    "Concurrently running builds for Linux/2XLarge environment": 1,
+    "Concurrently running builds for Linux GPU/Large environment": 0,
+}
+
+
+def test_a_ready_account_passes(aws, capsys):
+    bootstrapped(aws)
+    quotas(aws, "sagemaker", {"ml.c7i.8xlarge for endpoint usage": 8, "ml.g6.xlarge for endpoint usage": 6})
+    no_endpoints(aws)
+    quotas(aws, "codebuild", CODEBUILD_OK)
+    fresh_names(aws)
+    assert cli.main([], clients=aws["clients"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "ml.c7i.8xlarge for endpoint usage" in out and "8 ≥ 8" in out  # 2 × max_capacity 4
+    assert "6 ≥ 6" in out  # GPU: 2 × max_capacity 3
+    assert "MISSING" not in out and "To fix" not in out
+
+
+def test_a_new_account_gets_each_missing_item_and_the_command_to_request_it(aws, capsys):
+    no_stack(aws, "CDKToolkit")
+    quotas(
+        aws,
+        "sagemaker",
+        {"ml.c7i.8xlarge for endpoint usage": 0, "ml.g6.xlarge for endpoint usage": 0},
+        {"ml.c7i.8xlarge for endpoint usage": 8},  # one increase already granted: the applied value wins
+    )
+    no_endpoints(aws)
+    quotas(aws, "codebuild", {**CODEBUILD_OK, "Concurrently running builds for Linux/2XLarge environment": 0})
+    fresh_names(aws)
+    assert cli.main(["--json"], clients=aws["clients"]) == cli.EXIT_MISSING
+    findings = {f["check"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    assert findings["CDK bootstrap"]["status"] == "missing"
+    assert findings["CDK bootstrap"]["fix"] == f"npx cdk bootstrap aws://{ACCOUNT}/{REGION}"
+    assert findings["ml.c7i.8xlarge for endpoint usage"]["status"] == "ok"
+    gpu = findings["ml.g6.xlarge for endpoint usage"]
+    assert gpu["status"] == "missing" and gpu["detail"].startswith("0 < 6")
+    assert gpu["fix"].startswith("aws service-quotas request-service-quota-increase --service-code sagemaker")
+    assert gpu["fix"].endswith(f"--desired-value 6 --region {REGION}")
+    build = findings["CodeBuild Linux/2XLarge concurrent builds"]
+    assert build["status"] == "missing" and "AccountLimitExceededException" in build["detail"]
+    assert "--service-code codebuild" in build["fix"]
+    assert findings["CodeBuild Linux/Large concurrent builds"]["status"] == "ok"
+
+
+def test_other_endpoints_on_the_same_type_count_against_the_quota(aws, capsys):
+    bootstrapped(aws)
+    quotas(aws, "sagemaker", {"ml.c7i.8xlarge for endpoint usage": 8})
+    aws["sagemaker"].add_response(
+        "list_endpoints",
+        {
+            "Endpoints": [
+                {
+                    "EndpointName": n,
+                    "EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/{n}",
+                    "CreationTime": NOW,
+                    "LastModifiedTime": NOW,
+                    "EndpointStatus": "InService",
+                }
+                for n in ("decider-cpu", "reporting")
+            ]
+        },
+    )
+    aws["sagemaker"].add_response(
+        "describe_endpoint",
+        {
+            "EndpointName": "reporting",
+            "EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/reporting",
+            "EndpointConfigName": "reporting-config",
+            "EndpointStatus": "InService",
+            "CreationTime": NOW,
+            "LastModifiedTime": NOW,
+            "ProductionVariants": [{"VariantName": "AllTraffic", "CurrentInstanceCount": 3}],
+        },
+        {"EndpointName": "reporting"},
+    )
+    aws["sagemaker"].add_response(
+        "describe_endpoint_config",
+        {
+            "EndpointConfigName": "reporting-config",
+            "EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/reporting-config",
+            "CreationTime": NOW,
+            "ProductionVariants": [
+                {"VariantName": "AllTraffic", "ModelName": "m", "InstanceType": "ml.c7i.8xlarge"}
+            ],
+        },
+        {"EndpointConfigName": "reporting-config"},
+    )
+    quotas(aws, "codebuild", CODEBUILD_OK)
+    no_stack(aws, "ImageStack")
+    aws["s3"].add_client_error("head_bucket", "404", http_status_code=404)
+    aws["sagemaker"].add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint")
+    assert cli.main(["--variant", "cpu"], clients=aws["clients"]) == cli.EXIT_MISSING
+    out = " ".join(capsys.readouterr().out.split())
+    assert "8 < 11" in out and "8 at the blue/green peak + 3 in use elsewhere" in out
+
+
+def test_leftovers_of_an_earlier_install_block_a_fresh_deploy(aws, capsys):
+    bootstrapped(aws)
+    quotas(aws, "sagemaker", {"ml.c7i.8xlarge for endpoint usage": 8})
+    no_endpoints(aws)
+    quotas(aws, "codebuild", CODEBUILD_OK)
+    no_stack(aws, "ImageStack")
+    aws["s3"].add_response("head_bucket", {})  # retained by a deleted ImageStack
+    aws["sagemaker"].add_response(
+        "describe_endpoint",
+        {
+            "EndpointName": "decider-cpu",
+            "EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/decider-cpu",
+            "EndpointConfigName": "hand-made",
+            "EndpointStatus": "InService",
+            "CreationTime": NOW,
+            "LastModifiedTime": NOW,
+        },
+    )
+    aws["sagemaker"].add_response("list_tags", {"Tags": []})
+    assert cli.main(["--variant", "cpu"], clients=aws["clients"]) == cli.EXIT_MISSING
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"s3://decider-artifacts-{ACCOUNT}-{REGION} exists" in out
+    assert "-c project=<another name>" in out
+    assert "an endpoint of that name exists outside CpuStack (owner: none)" in out
+
+
+def test_unreadable_quotas_are_shown_not_counted(aws, capsys):
+    bootstrapped(aws)
+    aws["service-quotas"].add_client_error("list_aws_default_service_quotas", "AccessDeniedException")
+    aws["service-quotas"].add_client_error("list_aws_default_service_quotas", "AccessDeniedException")
+    fresh_names(aws)
+    assert cli.main([], clients=aws["clients"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert out.count("unknown") == 2 and "AccessDeniedException" in out
+
+
+def test_a_prebuilt_deploy_needs_no_codebuild_quota():
+    config = load_config(
+        {
+            **cdk_json_context(),
+            "image_uri": f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/d@sha256:" + "a" * 64,
+            "model_s3_uri": "s3://models/qwen/",
+        }
+    )
+    target = checks.Target(config, (config.cpu, config.gpu), REGION, ACCOUNT)
+    [finding] = checks.codebuild_quotas(service_quotas=None, target=target)  # no API call at all
+    assert finding.status == "ok" and "nothing is built" in finding.detail
+
+
+def test_the_blue_green_peak_counts_the_retained_fleet():
+    config = load_config(cdk_json_context())
+    assert checks.peak_instances(config.cpu) == 2 * config.cpu.max_capacity
+    manual = load_config({**cdk_json_context(), "cpu.autoscaling": "false"}).cpu
+    assert checks.peak_instances(manual) == 2 * manual.initial_instance_count

@@ -1,0 +1,313 @@
+"""The image check/protection, the post-deploy check and the build watcher, against stubbed AWS APIs
+(botocore Stubber) and a local receiver for wait condition signals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from botocore.stub import ANY
+from handler_helpers import body, start_handle, stubbed_clients
+
+from stacks.handlers import build_watcher, codebuild_job, post_deploy_check, wait_signal
+from stacks.handlers.image_retention import parse_image_uri, protect_image
+from stacks.handlers.smoke import CHAT_REQUEST, DECISION_REQUEST
+
+ACCOUNT, REGION = "123456789012", "us-east-1"
+SERVICE_TOKEN = f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:ImageStack-Provider"
+DIGEST_HEX = "ab" * 32
+IMAGE = f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/decider-images@sha256:{DIGEST_HEX}"
+MANIFEST = json.dumps({"schemaVersion": 2, "layers": []})
+STACK_ID = f"arn:aws:cloudformation:{REGION}:{ACCOUNT}:stack/CpuStack/abc"
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+DECISION_OK = {"model": "qwen", "answers": {"refund": {"type": "noul", "noul": 0.97}}}
+CHAT_OK = {"model": "qwen", "choices": [{"message": {"role": "assistant", "content": "OK"}}]}
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+    }.items():
+        monkeypatch.setenv(name, value)
+    clients, stubs = stubbed_clients()
+    yield {"clients": clients, **stubs}
+    for stub in stubs.values():
+        stub.assert_no_pending_responses()
+        stub.deactivate()
+
+
+def event(request: str, props: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "RequestType": request,
+        "RequestId": "r-1",
+        "StackId": STACK_ID,
+        "ResourceProperties": props,
+        **extra,
+    }
+
+
+def deployed_props(**extra: Any) -> dict[str, Any]:
+    return {
+        "ServiceToken": SERVICE_TOKEN,
+        "Kind": "DeployedImage",
+        "EndpointName": "decider-cpu",
+        "RepositoryName": "decider-images",
+        **extra,
+    }
+
+
+def expect_protection(aws: dict[str, Any], *, already: bool = False) -> None:
+    aws["ecr"].add_response(
+        "batch_get_image",
+        {
+            "images": [
+                {
+                    "imageId": {"imageDigest": f"sha256:{DIGEST_HEX}"},
+                    "imageManifest": MANIFEST,
+                    "imageManifestMediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                }
+            ]
+        },
+        expected_params={
+            "repositoryName": "decider-images",
+            "imageIds": [{"imageDigest": f"sha256:{DIGEST_HEX}"}],
+            "acceptedMediaTypes": ANY,
+        },
+    )
+    params = {
+        "repositoryName": "decider-images",
+        "imageManifest": MANIFEST,
+        "imageTag": f"keep-{DIGEST_HEX}",
+        "imageDigest": f"sha256:{DIGEST_HEX}",
+        "imageManifestMediaType": "application/vnd.docker.distribution.manifest.v2+json",
+    }
+    if already:
+        aws["ecr"].add_client_error("put_image", "ImageAlreadyExistsException", expected_params=params)
+    else:
+        aws["ecr"].add_response(
+            "put_image", {"image": {"imageId": {"imageTag": f"keep-{DIGEST_HEX}"}}}, params
+        )
+
+
+# --- DeployedImage: the signalled image, checked and kept out of the lifecycle ------------------------
+
+
+def test_the_signalled_image_is_resolved_and_tagged_keep(aws):
+    expect_protection(aws)
+    wait_data = json.dumps({"image": IMAGE})  # the WaitCondition's Data attribute
+    result = codebuild_job.on_event(
+        event("Create", deployed_props(WaitData=wait_data)), clients=aws["clients"]
+    )
+    assert result["Data"] == {"ImageUri": IMAGE, "Protected": "true"}
+    done = codebuild_job.is_complete(event("Create", deployed_props(WaitData=wait_data), **result))
+    assert done == {"IsComplete": True, "Data": {"ImageUri": IMAGE, "Protected": "true"}}
+
+
+def test_an_already_protected_prebuilt_image_passes(aws):
+    expect_protection(aws, already=True)
+    result = codebuild_job.on_event(event("Update", deployed_props(ImageUri=IMAGE)), clients=aws["clients"])
+    assert result["Data"] == {"ImageUri": IMAGE, "Protected": "true"}
+
+
+def test_a_digest_missing_from_the_repository_fails_the_deploy(aws):
+    aws["ecr"].add_response(
+        "batch_get_image",
+        {
+            "images": [],
+            "failures": [{"failureCode": "ImageNotFound", "failureReason": "Requested image not found"}],
+        },
+    )
+    with pytest.raises(codebuild_job.BuildFailedError, match="Requested image not found"):
+        codebuild_job.on_event(event("Create", deployed_props(ImageUri=IMAGE)), clients=aws["clients"])
+
+
+def test_an_image_in_another_repository_is_left_alone(aws):
+    foreign = f"999999999999.dkr.ecr.{REGION}.amazonaws.com/ci@sha256:{DIGEST_HEX}"
+    result = codebuild_job.on_event(event("Create", deployed_props(ImageUri=foreign)), clients=aws["clients"])
+    assert result["Data"] == {"ImageUri": foreign, "Protected": "false"}  # no ECR call was made
+
+
+@pytest.mark.parametrize("data", ["not json", json.dumps({"image": "repo:latest"}), json.dumps({})])
+def test_wait_data_without_an_image_by_digest_fails(data):
+    with pytest.raises(codebuild_job.BuildFailedError, match="wait condition"):
+        codebuild_job.parse_wait_data(data)
+
+
+def test_keep_tag_is_derived_from_the_digest():
+    assert parse_image_uri(IMAGE).keep_tag == f"keep-{DIGEST_HEX}"
+    with pytest.raises(ValueError, match="not a private ECR image by digest"):
+        parse_image_uri("public.ecr.aws/x/y:latest")
+
+
+def test_protect_image_reports_whether_it_added_the_tag(aws):
+    expect_protection(aws)
+    assert protect_image(aws["clients"]["ecr"], parse_image_uri(IMAGE)) is True
+    expect_protection(aws, already=True)
+    assert protect_image(aws["clients"]["ecr"], parse_image_uri(IMAGE)) is False
+
+
+# --- PostDeployCheck ----------------------------------------------------------------------------------
+
+CHECK_PROPS = {
+    "ServiceToken": SERVICE_TOKEN,
+    "Kind": "PostDeployCheck",
+    "EndpointName": "decider-cpu",
+    "EndpointConfigName": "DeciderConfig-NEW",
+}
+
+
+def stack_status(aws: dict[str, Any], status: str) -> None:
+    aws["cloudformation"].add_response(
+        "describe_stacks",
+        {"Stacks": [{"StackName": "CpuStack", "StackStatus": status, "CreationTime": NOW}]},
+        expected_params={"StackName": STACK_ID},
+    )
+
+
+def endpoint(aws: dict[str, Any], config: str, status: str = "InService", reason: str | None = None) -> None:
+    response = {
+        "EndpointName": "decider-cpu",
+        "EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/decider-cpu",
+        "EndpointConfigName": config,
+        "EndpointStatus": status,
+        "CreationTime": NOW,
+        "LastModifiedTime": NOW,
+    }
+    if reason:
+        response["FailureReason"] = reason
+    aws["sagemaker"].add_response("describe_endpoint", response, {"EndpointName": "decider-cpu"})
+
+
+def invocations(aws: dict[str, Any], decision: Any, chat: Any) -> None:
+    for route, payload, answer in (
+        ("route=/v1/systemone", DECISION_REQUEST, decision),
+        ("route=/v1/chat/completions", CHAT_REQUEST, chat),
+    ):
+        aws["sagemaker-runtime"].add_response(
+            "invoke_endpoint",
+            {"Body": body(answer), "ContentType": "application/json"},
+            {
+                "EndpointName": "decider-cpu",
+                "ContentType": "application/json",
+                "Accept": "application/json",
+                "CustomAttributes": route,
+                "Body": json.dumps(payload).encode(),
+            },
+        )
+
+
+def test_check_passes_when_the_stacks_config_is_live_and_answers(aws):
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    started = codebuild_job.on_event(event("Update", CHECK_PROPS), clients=aws["clients"], now=NOW)
+    assert started == {
+        "PhysicalResourceId": "post-deploy-check:decider-cpu",
+        "Data": {"StartedAt": NOW.isoformat()},
+    }
+    endpoint(aws, "DeciderConfig-NEW")
+    invocations(aws, DECISION_OK, CHAT_OK)
+    done = codebuild_job.is_complete(event("Update", CHECK_PROPS, **started), clients=aws["clients"], now=NOW)
+    assert done["IsComplete"] is True
+    assert "p(refund)=0.970" in done["Data"]["Result"] and "reply 'OK'" in done["Data"]["Result"]
+
+
+def test_a_silent_sagemaker_rollback_fails_the_deploy(aws):
+    """InService on the *old* config with an empty FailureReason: CloudFormation would call it done."""
+    endpoint(aws, "DeciderConfig-OLD")
+    data = {"StartedAt": NOW.isoformat()}
+    with pytest.raises(
+        post_deploy_check.PostDeployCheckError, match="runs endpoint config DeciderConfig-OLD"
+    ):
+        codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=NOW)
+
+
+def test_failing_smoke_calls_are_retried_then_fail_the_deploy(aws):
+    data = {"StartedAt": NOW.isoformat()}
+    endpoint(aws, "DeciderConfig-NEW")
+    invocations(aws, {"error": {"code": "model_not_ready"}}, CHAT_OK)
+    soon = NOW + timedelta(minutes=1)
+    assert codebuild_job.is_complete(
+        event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=soon
+    ) == {"IsComplete": False}
+    endpoint(aws, "DeciderConfig-NEW")
+    invocations(aws, {"error": {"code": "model_not_ready"}}, CHAT_OK)
+    late = NOW + post_deploy_check.SMOKE_RETRY_WINDOW + timedelta(seconds=1)
+    with pytest.raises(post_deploy_check.PostDeployCheckError, match="smoke calls on decider-cpu failed"):
+        codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=late)
+
+
+def test_the_check_is_skipped_while_the_stack_rolls_back(aws):
+    stack_status(aws, "UPDATE_ROLLBACK_IN_PROGRESS")
+    started = codebuild_job.on_event(event("Update", CHECK_PROPS), clients=aws["clients"], now=NOW)
+    assert started["Data"] == {"Skipped": "rollback"}
+    done = codebuild_job.is_complete(event("Update", CHECK_PROPS, **started), clients=aws["clients"])
+    assert done == {"IsComplete": True, "Data": {"Result": "skipped (rollback)"}}
+
+
+# --- the build watcher and the signal itself ----------------------------------------------------------
+
+
+def state_change(status: str, variables: list[dict[str, str]]) -> dict[str, Any]:
+    return {
+        "detail-type": "CodeBuild Build State Change",
+        "source": "aws.codebuild",
+        "detail": {
+            "build-status": status,
+            "project-name": "ImageBuild",
+            "build-id": f"arn:aws:codebuild:{REGION}:{ACCOUNT}:build/ImageBuild:42",
+            "additional-information": {
+                "environment": {"environment-variables": variables},
+                "phases": [
+                    {"phase-type": "PRE_BUILD", "phase-status": "SUCCEEDED"},
+                    {
+                        "phase-type": "BUILD",
+                        "phase-status": "FAILED",
+                        "phase-context": ["docker build failed"],
+                    },
+                ],
+                "logs": {"deep-link": "https://console.aws.amazon.com/cloudwatch/logs/ImageBuild"},
+            },
+        },
+    }
+
+
+def test_a_failed_image_build_fails_its_wait_condition_at_once():
+    handle, server = start_handle()
+    try:
+        variables = [{"name": "WAIT_HANDLE_URL", "value": handle.url, "type": "PLAINTEXT"}]
+        result = build_watcher.on_build_state_change(state_change("FAILED", variables))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result["signalled"] is True
+    [signal] = handle.signals
+    assert signal["Status"] == "FAILURE" and signal["UniqueId"] == "image"
+    assert "ended FAILED in phase BUILD: docker build failed" in signal["Reason"]
+    assert "Logs: https://console.aws.amazon.com" in signal["Reason"]
+
+
+@pytest.mark.parametrize(
+    ("status", "variables", "why"),
+    [
+        ("SUCCEEDED", [{"name": "WAIT_HANDLE_URL", "value": "https://x"}], "status SUCCEEDED"),
+        ("FAILED", [{"name": "OTHER", "value": "1"}], "no wait handle"),
+    ],
+)
+def test_the_watcher_ignores_successes_and_builds_outside_a_deploy(status, variables, why):
+    sent: list[Any] = []
+    result = build_watcher.on_build_state_change(
+        state_change(status, variables), send=lambda *a: sent.append(a)
+    )
+    assert result == {"signalled": False, "why": why} and sent == []
+
+
+def test_signals_refuse_urls_that_are_not_presigned_https():
+    with pytest.raises(wait_signal.SignalError, match="https://"):
+        wait_signal.send_signal("file:///etc/passwd", "SUCCESS", "x")
+    with pytest.raises(ValueError, match="SUCCESS or FAILURE"):
+        wait_signal.signal_body("MAYBE", "x", "")

@@ -1,0 +1,1 @@
+"""`preflight`: read-only checks of a new account before the first `cdk deploy`."""

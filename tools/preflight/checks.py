@@ -1,0 +1,288 @@
+"""Read-only checks of an account and region before the first `cdk deploy` (and before the next).
+
+- SageMaker: the quota "<instance type> for endpoint usage" of every instance type the config allows,
+  against the blue/green peak: an update runs the old and the new fleet side by side, and the new one
+  keeps the autoscaled size (RetainAllVariantProperties), so the peak is twice `max_capacity` (twice
+  `initial_instance_count` without autoscaling), plus what other endpoints already run on that type.
+- CodeBuild: "Concurrently running builds for Linux/<size> environment" of the compute types the
+  deploy-time builds use (0 on some new accounts: StartBuild then fails with AccountLimitExceededException).
+- CDK bootstrap: the CDKToolkit stack and its version parameter (the templates require version 6).
+- Leftovers of an earlier install that block a fresh ImageStack or endpoint: the fixed-name artifacts
+  bucket, and endpoints of the same name outside the stacks.
+
+Nothing here changes anything; every finding says how to fix it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from stacks.config import AppConfig, VariantConfig
+
+MIN_BOOTSTRAP_VERSION = 6  # the templates' CheckBootstrapVersion rule (tests/stacks checks it)
+BOOTSTRAP_PARAMETER = "/cdk-bootstrap/hnb659fds/version"
+BOOTSTRAP_STACK = "CDKToolkit"
+CODEBUILD_SIZES = {
+    "BUILD_GENERAL1_SMALL": "Small",
+    "BUILD_GENERAL1_MEDIUM": "Medium",
+    "BUILD_GENERAL1_LARGE": "Large",
+    "BUILD_GENERAL1_XLARGE": "XLarge",
+    "BUILD_GENERAL1_2XLARGE": "2XLarge",
+}
+STAGING_COMPUTE = "BUILD_GENERAL1_SMALL"  # ImageStack's model-staging project
+CFN_STACK_TAG = "aws:cloudformation:stack-name"
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str  # "ok" | "missing" | "unknown"
+    detail: str
+    fix: str = ""
+
+    @property
+    def blocking(self) -> bool:
+        return self.status == "missing"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Which stacks and endpoints this run prepares, from the app's config."""
+
+    config: AppConfig
+    variants: tuple[VariantConfig, ...]
+    region: str
+    account: str
+
+
+def _code(error: Exception) -> str:
+    if isinstance(error, ClientError):
+        return error.response.get("Error", {}).get("Code", "error")
+    return type(error).__name__
+
+
+def quota_values(service_quotas: Any, service_code: str) -> dict[str, tuple[str, float]]:
+    """QuotaName → (QuotaCode, value): the applied values, the defaults where none is applied."""
+    values: dict[str, tuple[str, float]] = {}
+    for operation in ("list_aws_default_service_quotas", "list_service_quotas"):  # applied ones win
+        for page in service_quotas.get_paginator(operation).paginate(ServiceCode=service_code):
+            for quota in page.get("Quotas", []):
+                values[quota["QuotaName"]] = (quota["QuotaCode"], float(quota["Value"]))
+    return values
+
+
+def peak_instances(variant: VariantConfig) -> int:
+    """Instances a blue/green update runs at once at most: the old fleet and a new one of its size."""
+    fleet = variant.max_capacity if variant.autoscaling else variant.initial_instance_count
+    return 2 * fleet
+
+
+def other_usage(sagemaker: Any, own_endpoints: set[str]) -> dict[str, int]:
+    """Instance type → instances that endpoints other than ours run now."""
+    usage: dict[str, int] = {}
+    for page in sagemaker.get_paginator("list_endpoints").paginate():
+        for summary in page.get("Endpoints", []):
+            if summary["EndpointName"] in own_endpoints:
+                continue
+            endpoint = sagemaker.describe_endpoint(EndpointName=summary["EndpointName"])
+            config = sagemaker.describe_endpoint_config(EndpointConfigName=endpoint["EndpointConfigName"])
+            types = {v["VariantName"]: v.get("InstanceType") for v in config.get("ProductionVariants", [])}
+            for variant in endpoint.get("ProductionVariants", []):
+                instance_type = types.get(variant["VariantName"])
+                if instance_type:
+                    usage[instance_type] = usage.get(instance_type, 0) + int(
+                        variant.get("CurrentInstanceCount", 0)
+                    )
+    return usage
+
+
+def _increase(service: str, code: str, value: int, region: str) -> str:
+    return (
+        f"aws service-quotas request-service-quota-increase --service-code {service} --quota-code {code} "
+        f"--desired-value {value} --region {region}"
+    )
+
+
+def sagemaker_quotas(service_quotas: Any, sagemaker: Any, target: Target) -> list[Finding]:
+    try:
+        quotas = quota_values(service_quotas, "sagemaker")
+        usage = other_usage(sagemaker, {v.endpoint_name for v in target.variants})
+    except (ClientError, BotoCoreError) as error:
+        return [Finding("SageMaker endpoint quotas", "unknown", f"could not read them: {_code(error)}")]
+    needed: dict[str, tuple[int, list[str]]] = {}
+    for variant in target.variants:
+        for instance_type in variant.instance_types:
+            count, users = needed.get(instance_type, (0, []))
+            needed[instance_type] = (count + peak_instances(variant), [*users, variant.endpoint_name])
+    findings = []
+    for instance_type, (peak, users) in needed.items():
+        name = f"{instance_type} for endpoint usage"
+        total = peak + usage.get(instance_type, 0)
+        elsewhere = usage.get(instance_type, 0)
+        what = f"{', '.join(users)}: {peak} at the blue/green peak + {elsewhere} in use elsewhere"
+        if name not in quotas:
+            findings.append(Finding(name, "unknown", f"no such quota in this region ({what})"))
+            continue
+        code, value = quotas[name]
+        if value >= total:
+            findings.append(Finding(name, "ok", f"{value:g} ≥ {total} ({what})"))
+        else:
+            findings.append(
+                Finding(
+                    name,
+                    "missing",
+                    f"{value:g} < {total} ({what})",
+                    _increase("sagemaker", code, total, target.region),
+                )
+            )
+    return findings
+
+
+def codebuild_quotas(service_quotas: Any, target: Target) -> list[Finding]:
+    needed: dict[str, list[str]] = {}
+    for variant in target.variants:
+        if variant.image_uri is None:
+            needed.setdefault(variant.image_build.compute_type, []).append(f"{variant.name} image")
+        if variant.model_s3_uri is None:
+            needed.setdefault(STAGING_COMPUTE, []).append(f"{variant.name} model staging")
+    if not needed:
+        return [
+            Finding(
+                "CodeBuild concurrent builds",
+                "ok",
+                "nothing is built at deploy time (prebuilt image and model)",
+            )
+        ]
+    try:
+        quotas = quota_values(service_quotas, "codebuild")
+    except (ClientError, BotoCoreError) as error:
+        return [Finding("CodeBuild concurrent builds", "unknown", f"could not read them: {_code(error)}")]
+    findings = []
+    for compute, users in needed.items():
+        size = CODEBUILD_SIZES[compute]
+        pattern = re.compile(rf"concurrently running builds for linux/{size} environment", re.IGNORECASE)
+        match = next(((n, q) for n, q in quotas.items() if pattern.fullmatch(n)), None)
+        label = f"CodeBuild Linux/{size} concurrent builds"
+        if match is None:
+            findings.append(Finding(label, "unknown", f"no such quota listed ({', '.join(users)})"))
+            continue
+        _, (code, value) = match
+        # one build at a time is enough (staging and image run in turn); two when both stacks deploy at once
+        if value >= 1:
+            note = (
+                "" if value >= 2 or len(users) < 2 else "; deploy CpuStack and GpuStack one after the other"
+            )
+            findings.append(Finding(label, "ok", f"{value:g} ({', '.join(users)}){note}"))
+        else:
+            findings.append(
+                Finding(
+                    label,
+                    "missing",
+                    f"{value:g}: StartBuild fails with AccountLimitExceededException ({', '.join(users)})",
+                    _increase("codebuild", code, 2, target.region),
+                )
+            )
+    return findings
+
+
+def bootstrap(ssm: Any, cloudformation: Any, target: Target) -> list[Finding]:
+    fix = f"npx cdk bootstrap aws://{target.account}/{target.region}"
+    try:
+        stacks = cloudformation.describe_stacks(StackName=BOOTSTRAP_STACK)["Stacks"]
+    except ClientError as error:
+        if "does not exist" in error.response.get("Error", {}).get("Message", ""):
+            return [
+                Finding("CDK bootstrap", "missing", f"no {BOOTSTRAP_STACK} stack in {target.region}", fix)
+            ]
+        return [Finding("CDK bootstrap", "unknown", f"could not read {BOOTSTRAP_STACK}: {_code(error)}")]
+    status = stacks[0]["StackStatus"]
+    if not status.endswith("_COMPLETE") or "ROLLBACK" in status:
+        return [Finding("CDK bootstrap", "missing", f"{BOOTSTRAP_STACK} is {status}", fix)]
+    try:
+        version = int(ssm.get_parameter(Name=BOOTSTRAP_PARAMETER)["Parameter"]["Value"])
+    except ClientError as error:
+        return [Finding("CDK bootstrap", "missing", f"{BOOTSTRAP_PARAMETER}: {_code(error)}", fix)]
+    if version < MIN_BOOTSTRAP_VERSION:
+        return [Finding("CDK bootstrap", "missing", f"version {version} < {MIN_BOOTSTRAP_VERSION}", fix)]
+    return [Finding("CDK bootstrap", "ok", f"{BOOTSTRAP_STACK} {status}, version {version}")]
+
+
+def _stack_exists(cloudformation: Any, name: str) -> bool:
+    try:
+        stacks = cloudformation.describe_stacks(StackName=name)["Stacks"]
+    except ClientError as error:
+        if "does not exist" in error.response.get("Error", {}).get("Message", ""):
+            return False
+        raise
+    return bool(stacks) and stacks[0]["StackStatus"] != "DELETE_COMPLETE"
+
+
+def leftovers(s3: Any, sagemaker: Any, cloudformation: Any, target: Target) -> list[Finding]:
+    """Fixed names a fresh deploy needs free: the artifacts bucket, the endpoint names."""
+    findings = []
+    bucket = f"{target.config.project}-artifacts-{target.account}-{target.region}"
+    try:
+        image_stack = _stack_exists(cloudformation, "ImageStack")
+        try:
+            s3.head_bucket(Bucket=bucket)
+            exists = True
+        except ClientError as error:
+            if _code(error) not in {"404", "NoSuchBucket", "NotFound"}:
+                raise
+            exists = False
+        if exists and not image_stack:
+            findings.append(
+                Finding(
+                    "artifacts bucket name",
+                    "missing",
+                    f"s3://{bucket} exists (kept by an earlier install) but ImageStack does not: its deploy "
+                    "would fail",
+                    f"empty and delete s3://{bucket} (all versions), or deploy with "
+                    "-c project=<another name>",
+                )
+            )
+        else:
+            findings.append(
+                Finding("artifacts bucket name", "ok", "ImageStack owns it" if exists else "free")
+            )
+        for variant in target.variants:
+            findings.append(_endpoint_name(sagemaker, variant))
+    except (ClientError, BotoCoreError) as error:
+        findings.append(Finding("leftovers", "unknown", f"could not check: {_code(error)}"))
+    return findings
+
+
+def _endpoint_name(sagemaker: Any, variant: VariantConfig) -> Finding:
+    label = f"endpoint name {variant.endpoint_name}"
+    try:
+        endpoint = sagemaker.describe_endpoint(EndpointName=variant.endpoint_name)
+    except ClientError as error:
+        if _code(error) == "ValidationException":  # SageMaker's "Could not find endpoint"
+            return Finding(label, "ok", "free")
+        raise
+    tags = {
+        t["Key"]: t["Value"] for t in sagemaker.list_tags(ResourceArn=endpoint["EndpointArn"]).get("Tags", [])
+    }
+    owner = tags.get(CFN_STACK_TAG)
+    expected = "GpuStack" if variant.is_gpu else "CpuStack"
+    if owner == expected:
+        return Finding(label, "ok", f"owned by {owner}")
+    return Finding(
+        label,
+        "missing",
+        f"an endpoint of that name exists outside {expected} (owner: {owner or 'none'})",
+        f"delete it, or deploy with -c {variant.name}.endpoint_name=<another name>",
+    )
+
+
+def run_all(clients: dict[str, Any], target: Target) -> list[Finding]:
+    return [
+        *bootstrap(clients["ssm"], clients["cloudformation"], target),
+        *sagemaker_quotas(clients["service-quotas"], clients["sagemaker"], target),
+        *codebuild_quotas(clients["service-quotas"], target),
+        *leftovers(clients["s3"], clients["sagemaker"], clients["cloudformation"], target),
+    ]
