@@ -226,3 +226,31 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero() -> None:
     finally:
         server.stop()
         server.log_path.unlink(missing_ok=True)
+
+
+@LOCAL_ONLY
+def test_requests_cut_by_the_shutdown_grace_get_503_shutting_down() -> None:
+    # uvicorn cancels what still runs when the grace period ends: the caller gets the error body
+    # (503 shutting_down, retryable), not a bare text 500, and the server logs no traceback.
+    server = start_local_server({"DECIDER_N_THREADS": "1", "DECIDER_SHUTDOWN_GRACE_SECONDS": "1"})
+    try:
+        server.wait_ready(120)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            in_flight = [
+                pool.submit(httpx.post, f"{server.base_url}/v1/chat/completions", json=LONG_CHAT, timeout=60)
+                for _ in range(2)
+            ]
+            time.sleep(0.5)
+            os.kill(server.process.pid, signal.SIGTERM)
+            responses = [future.result() for future in in_flight]
+        for response in responses:
+            if response.status_code == 200:  # the model ended its story within the grace period
+                continue
+            assert response.status_code == 503, response.text
+            assert_error_body(response.json(), "shutting_down")
+        assert any(r.status_code == 503 for r in responses), [r.status_code for r in responses]
+        assert server.process.wait(timeout=30) == 0
+        assert "Traceback" not in server.logs()
+    finally:
+        server.stop()
+        server.log_path.unlink(missing_ok=True)
