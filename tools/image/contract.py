@@ -69,6 +69,7 @@ SAGEMAKER_PING_TIMEOUT_SECONDS = 2.0  # SageMaker's /ping request timeout
 SAGEMAKER_STOP_GRACE_SECONDS = 30  # SIGKILL this long after SIGTERM
 LIVE_TESTS = (
     "tests/server/test_live_clients.py",
+    "tests/server/test_live_decisions.py",
     "tests/server/test_live_fuzz.py",
     "tests/server/test_live_faults.py",
 )
