@@ -313,7 +313,7 @@ def check_drain_on_stop(report: Report, container: Container, base_url: str) -> 
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         in_flight = [pool.submit(call) for _ in range(2)]
-        time.sleep(0.5)  # both admitted: one generating, one queued
+        time.sleep(0.25)  # both admitted: one generating, one queued
         sigterm = time.monotonic()
         took = container.stop(SAGEMAKER_STOP_GRACE_SECONDS)
         results = [future.result() for future in in_flight]
