@@ -4,6 +4,7 @@ name, since every test folder has its own)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,14 @@ class Synth:
         return labels
 
     def masked(self, stack: str) -> dict[str, Any]:
-        """The template with asset hashes replaced by `<asset:NAME>`, for snapshots."""
+        """The template with asset hashes replaced by `<asset:NAME>`, and the names derived from the
+        container's content hash (image tags, the build's wait condition) by placeholders, for
+        snapshots: a change under container/ alone leaves them as they are."""
         text = self.raw(stack).decode()
         for asset_hash, label in self.asset_labels().items():
             text = text.replace(asset_hash, f"<asset:{label}>")
+        text = re.sub(r"\b(cpu|cuda)-[0-9a-f]{64}\b", r"\1-<image-tag>", text)
+        text = re.sub(r"(Handle|Wait)[0-9A-F]{12}([0-9A-F]{8})?", r"\1<build-inputs>", text)
         return json.loads(text)
 
 
