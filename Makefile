@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server image image-test clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -57,6 +57,21 @@ bench-engine: setup
 
 bench-server: setup
 	$(BIN)/python -m tools.bench.server
+
+# The serving image, built and run with Docker (its own commands: never part of `make test`).
+# `make image` installs/starts a Docker Engine and the local base images when needed (tools/image/);
+# PYTHON_IMAGE=… uses a real base, CA_BUNDLE=… (or none) sets the build's CA secret.
+VARIANT ?= cpu
+IMAGE ?= decider:$(VARIANT)
+export PYTHON_IMAGE CA_BUNDLE
+
+image:
+	VARIANT=$(VARIANT) IMAGE=$(IMAGE) tools/image/build.sh
+
+# Start the image as SageMaker does and run the contract against it (tools/image/contract.py).
+image-test: setup
+	tools/image/docker-host.sh
+	$(BIN)/python -m tools.image.contract --image $(IMAGE)
 
 clean:
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache .ruff_cache

@@ -7,6 +7,10 @@ The process is `.venv/bin/serve serve`: the console script that the image's ENTR
 Settings are passed as environment variables (`DECIDER_*`); the port goes through
 `SAGEMAKER_BIND_TO_PORT` as on SageMaker. Run `python -m tools.local_server` for a foreground
 server on port 8080 (Ctrl-C to stop).
+
+`DECIDER_TEST_BASE_URL` (e.g. `http://127.0.0.1:18080`, a container started by `make image-test`)
+points the live-server tests at a server that is already running instead: `remote_server()`
+returns it as a `RemoteServer`, which answers `base_url`, `ping()` and `wait_ready()` the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import httpx
 
 DEFAULT_HOST = "127.0.0.1"
 STOP_TIMEOUT_SECONDS = 60.0
+BASE_URL_ENV = "DECIDER_TEST_BASE_URL"
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
@@ -50,6 +55,38 @@ def default_model_path() -> str:
     return str(smollm2_path())
 
 
+def ping_status(base_url: str, timeout: float = 2.0) -> int | None:
+    """`GET {base_url}/ping`'s status, or None when nothing answers."""
+    try:
+        return httpx.get(f"{base_url}/ping", timeout=timeout).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@dataclass
+class RemoteServer:
+    """A server this process did not start (a container, a remote host): only its URL is known."""
+
+    base_url: str
+
+    def ping(self, timeout: float = 2.0) -> int | None:
+        return ping_status(self.base_url, timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ping(timeout=1.0) == 200:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.base_url}/ping did not answer 200 within {timeout:g} s")
+
+
+def remote_server() -> RemoteServer | None:
+    """The server named by `$DECIDER_TEST_BASE_URL`, or None to start local processes."""
+    url = os.environ.get(BASE_URL_ENV, "").strip().rstrip("/")
+    return RemoteServer(url) if url else None
+
+
 @dataclass
 class LocalServer:
     process: subprocess.Popen[bytes]
@@ -67,10 +104,7 @@ class LocalServer:
 
     def ping(self, timeout: float = 2.0) -> int | None:
         """`/ping`'s status, or None when nothing answers."""
-        try:
-            return httpx.get(f"{self.base_url}/ping", timeout=timeout).status_code
-        except httpx.HTTPError:
-            return None
+        return ping_status(self.base_url, timeout)
 
     def wait_ready(self, timeout: float) -> None:
         """Poll `/ping` until it answers 200; raise with the log tail if the server exits or stalls."""

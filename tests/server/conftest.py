@@ -5,6 +5,10 @@ One server is shared by the whole session (`live_server`); tests that need other
 `tools.local_server`. The live servers use one inference thread: on this 2-core machine that
 leaves a core for the HTTP loop and the test clients, and keeps timings steady when other work
 shares the machine (with OpenMP threads oversubscribed, llama.cpp slows down many times over).
+
+With `DECIDER_TEST_BASE_URL` set (`make image-test` sets it to the container's URL), `live_server`
+is that running server instead, and the tests that must start a server with settings of their own
+are skipped (`server_helpers.LOCAL_ONLY`).
 """
 
 from __future__ import annotations
@@ -13,12 +17,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from tools.local_server import LocalServer, run_local_server
+from tools.local_server import LocalServer, RemoteServer, remote_server, run_local_server
 
 LIVE_ENV = {"DECIDER_N_THREADS": "1"}
+REMOTE_READY_TIMEOUT_SECONDS = 60
 
 
 @pytest.fixture(scope="session")
-def live_server() -> Iterator[LocalServer]:
+def live_server() -> Iterator[LocalServer | RemoteServer]:
+    remote = remote_server()
+    if remote is not None:
+        remote.wait_ready(REMOTE_READY_TIMEOUT_SECONDS)
+        yield remote
+        return
     with run_local_server(LIVE_ENV) as server:
         yield server

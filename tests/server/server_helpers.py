@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from tools.local_server import BASE_URL_ENV, remote_server
+
+# For tests that start a server with settings of their own (a tiny queue, a broken model, SIGTERM):
+# they cannot run against the one server named by DECIDER_TEST_BASE_URL.
+LOCAL_ONLY = pytest.mark.skipif(
+    remote_server() is not None,
+    reason=f"starts its own server with special settings; {BASE_URL_ENV} names a running one "
+    "(the image contract checks start-up failures and SIGTERM on the container itself)",
+)
+
 DECISION: dict[str, Any] = {
     "state": "Subject: charged twice\n\nI was charged twice for order 1182 and I want my money back today.",
     "questions": {

@@ -3,6 +3,7 @@ failures and SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import CHAT, DECISION, assert_error_body
+from server_helpers import CHAT, DECISION, LOCAL_ONLY, assert_error_body
 
-from tools.local_server import LocalServer, run_local_server, start_local_server
+from tools.local_server import LocalServer, remote_server, run_local_server, start_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 LONG_CHAT = {
@@ -32,6 +33,7 @@ def _timed_ping(server: LocalServer) -> tuple[int | None, float]:
     return status, time.perf_counter() - started
 
 
+@LOCAL_ONLY
 def test_ping_is_503_while_the_model_loads_then_200() -> None:
     server = start_local_server({"DECIDER_N_THREADS": "1"})
     try:
@@ -57,8 +59,12 @@ def test_ping_is_503_while_the_model_loads_then_200() -> None:
 
 def test_ping_stays_fast_while_inference_saturates_the_cpu() -> None:
     # Default threads: inference uses every core, as on SageMaker. The short deadline only bounds
-    # how long the load clients' last requests can take on a shared machine.
-    with run_local_server({"DECIDER_DEADLINE_SECONDS": "10"}) as server:
+    # how long the load clients' last requests can take on a shared machine. A remote server
+    # (DECIDER_TEST_BASE_URL) runs with its own settings.
+    remote = remote_server()
+    with (
+        contextlib.nullcontext(remote) if remote else run_local_server({"DECIDER_DEADLINE_SECONDS": "10"})
+    ) as server:
         stop = threading.Event()
 
         def load(i: int) -> list[int]:
@@ -90,6 +96,8 @@ def test_ping_stays_fast_while_inference_saturates_the_cpu() -> None:
 
 @pytest.fixture(scope="module")
 def tight_server() -> Iterator[LocalServer]:
+    if remote_server() is not None:
+        pytest.skip("needs a server with a 1-request queue and a 2 s deadline of its own")
     env = {"DECIDER_N_THREADS": "1", "DECIDER_QUEUE_SIZE": "1", "DECIDER_DEADLINE_SECONDS": "2"}
     with run_local_server(env) as server:
         yield server
@@ -160,6 +168,7 @@ def _run_until_exit(env: dict[str, str], timeout: float = 60) -> tuple[int, str,
         server.log_path.unlink(missing_ok=True)
 
 
+@LOCAL_ONLY
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
@@ -193,6 +202,7 @@ def test_startup_failures_exit_non_zero_with_one_clear_line(tmp_path: Path, case
     assert 200 not in pings
 
 
+@LOCAL_ONLY
 def test_sigterm_drains_in_flight_requests_then_exits_zero() -> None:
     server = start_local_server({"DECIDER_N_THREADS": "1", "DECIDER_SHUTDOWN_GRACE_SECONDS": "30"})
     try:
@@ -213,6 +223,34 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero() -> None:
         assert all(r.json()["usage"]["completion_tokens"] > 0 for r in responses)
         assert server.process.wait(timeout=30) == 0
         assert "draining in-flight requests" in server.logs()
+    finally:
+        server.stop()
+        server.log_path.unlink(missing_ok=True)
+
+
+@LOCAL_ONLY
+def test_requests_cut_by_the_shutdown_grace_get_503_shutting_down() -> None:
+    # uvicorn cancels what still runs when the grace period ends: the caller gets the error body
+    # (503 shutting_down, retryable), not a bare text 500, and the server logs no traceback.
+    server = start_local_server({"DECIDER_N_THREADS": "1", "DECIDER_SHUTDOWN_GRACE_SECONDS": "1"})
+    try:
+        server.wait_ready(120)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            in_flight = [
+                pool.submit(httpx.post, f"{server.base_url}/v1/chat/completions", json=LONG_CHAT, timeout=60)
+                for _ in range(2)
+            ]
+            time.sleep(0.5)
+            os.kill(server.process.pid, signal.SIGTERM)
+            responses = [future.result() for future in in_flight]
+        for response in responses:
+            if response.status_code == 200:  # the model ended its story within the grace period
+                continue
+            assert response.status_code == 503, response.text
+            assert_error_body(response.json(), "shutting_down")
+        assert any(r.status_code == 503 for r in responses), [r.status_code for r in responses]
+        assert server.process.wait(timeout=30) == 0
+        assert "Traceback" not in server.logs()
     finally:
         server.stop()
         server.log_path.unlink(missing_ok=True)

@@ -193,10 +193,13 @@ def test_bad_bodies_never_get_a_5xx(
 
 
 def test_server_still_serves_after_fuzzing(live_server: LocalServer) -> None:
-    assert live_server.process.poll() is None
     assert live_server.ping() == 200
     assert httpx.post(f"{live_server.base_url}/invocations", json=DECISION, timeout=60).status_code == 200
     openai_body = {"input": "x", "questions": [{"type": "predicate", "instructions": "?"}]}
     assert httpx.post(f"{live_server.base_url}/invocations", json=openai_body, timeout=60).status_code == 200
     assert httpx.post(f"{live_server.base_url}/invocations", json=CHAT, timeout=60).status_code == 200
-    assert "Traceback" not in live_server.logs()
+    # A remote server's process and logs belong to whoever started it: `make image-test` checks
+    # that the container still runs and logged no traceback.
+    if isinstance(live_server, LocalServer):
+        assert live_server.process.poll() is None
+        assert "Traceback" not in live_server.logs()

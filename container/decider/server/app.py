@@ -13,6 +13,7 @@ With `DECIDER_API_KEY` set, every route but `/ping` requires `Authorization: Bea
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hmac
 import logging
@@ -51,6 +52,7 @@ from decider.server.routing import (
     target_from_body,
 )
 from decider.server.runtime import EngineLoader, ServerRuntime, load_engine
+from decider.server.scheduler import shutting_down
 from decider.settings import Settings
 
 log = logging.getLogger("decider.server")
@@ -96,6 +98,18 @@ class RequestContextMiddleware:
 
         try:
             await self.app(scope, receive, send_with_context)
+        except asyncio.CancelledError:
+            # uvicorn cancels a request only when DECIDER_SHUTDOWN_GRACE_SECONDS ran out after
+            # SIGTERM: answer 503 `shutting_down` (retry elsewhere) instead of its bare text 500
+            # and a traceback. The task ends here either way.
+            log.warning(
+                "request %s %s %s cut off: the shutdown grace period ran out",
+                request_id,
+                scope.get("method"),
+                path,
+            )
+            if not response_started:
+                await _error_response(shutting_down())(scope, receive, send_with_context)
         except Exception as exc:
             log.exception("request %s %s %s failed", request_id, scope.get("method"), path)
             if not response_started:

@@ -1,11 +1,18 @@
-"""Register llama.cpp's dynamically loadable backends before a model is loaded.
+"""Register llama.cpp's dynamically loadable backends before a model is loaded, and check them.
 
-The image builds llama.cpp with `GGML_BACKEND_DL=ON` and `GGML_CPU_ALL_VARIANTS=ON`: the CPU
-kernels (one library per instruction-set level) and CUDA are separate shared libraries that
+The image builds llama.cpp with `GGML_BACKEND_DL=ON` (and `GGML_CPU_ALL_VARIANTS=ON` on CPU): the
+CPU kernels (one library per instruction-set level) and CUDA are separate shared libraries that
 `ggml_backend_load_all_from_path` picks from at run time. llama-cpp-python does not call it
 (abetlen/llama-cpp-python#2069), so without this step the model load fails with
 "no backends are loaded". A build with statically linked backends (the local `make setup`
-wheel) already has them registered, and this is a no-op there.
+wheel) already has them registered, and loading is skipped there.
+
+The wheel stores `libggml.so`, `libggml.so.0` and `libggml.so.0.x.y` as three separate files
+(wheels cannot hold symlinks), and each copy has its own backend registry: backends registered in
+`libggml.so` are invisible to `libllama.so`, which links against the soname `libggml.so.0`. So ggml
+is reached through libllama's own handle here: the dynamic linker then resolves every ggml symbol in
+exactly the copy llama.cpp uses. (The image also turns the copies into symlinks; a local venv keeps
+them.)
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from decider.errors import StartupError
@@ -21,6 +29,35 @@ from decider.errors import StartupError
 log = logging.getLogger(__name__)
 
 BACKEND_DIR_ENV = "GGML_BACKEND_DIR"
+LIBLLAMA_NAMES = ("libllama.so", "libllama.dylib")
+CUDA_LIBRARY = "libggml-cuda.so"
+# enum ggml_backend_dev_type (ggml-backend.h)
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+GPU_TYPES = frozenset({"gpu", "igpu"})
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    description: str
+    type: str  # cpu, gpu, igpu, accel, meta
+
+
+@dataclass(frozen=True)
+class Backends:
+    """What llama.cpp can run on: its devices, and the backend libraries loaded from disk."""
+
+    devices: tuple[Device, ...]
+    libraries: tuple[str, ...]  # file names, e.g. ("libggml-cpu-haswell.so",); () when built in
+
+    @property
+    def has_gpu(self) -> bool:
+        return any(device.type in GPU_TYPES for device in self.devices)
+
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. `CPU (cpu: Intel Xeon …) from libggml-cpu-haswell.so`."""
+        devices = ", ".join(f"{d.name} ({d.type}: {d.description})" for d in self.devices) or "none"
+        return f"{devices} from {', '.join(self.libraries) or 'built-in backends'}"
 
 
 def llama_cpp_lib_dir() -> Path:
@@ -31,29 +68,95 @@ def llama_cpp_lib_dir() -> Path:
 
 
 def _ggml() -> ctypes.CDLL:
-    # Same soname as the copy libllama.so links against, so this is the already-loaded library.
-    lib = ctypes.CDLL(str(llama_cpp_lib_dir() / "libggml.so"))
+    """ggml as libllama sees it (see the module docstring)."""
+    lib_dir = llama_cpp_lib_dir()
+    path = next((lib_dir / name for name in LIBLLAMA_NAMES if (lib_dir / name).is_file()), None)
+    if path is None:
+        raise StartupError(f"libllama is missing from {lib_dir}")
+    lib = ctypes.CDLL(str(path))  # already loaded by `import llama_cpp`: the same handle
     lib.ggml_backend_reg_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+        getattr(lib, name).restype = ctypes.c_char_p
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
     lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
     lib.ggml_backend_load_all_from_path.restype = None
     return lib
 
 
-def ensure_backends() -> int:
-    """Load every backend library found next to llama.cpp (or in `$GGML_BACKEND_DIR`) if none is
-    registered yet; return the number of devices. Raises `StartupError` when none can be found."""
-    import llama_cpp  # noqa: F401 - loads libllama.so and with it libggml.so
+def loaded_backend_libraries() -> tuple[str, ...]:
+    """File names of the ggml backend libraries mapped into this process (Linux; () elsewhere)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ()
+    names = {Path(line.split()[-1]).name for line in maps.splitlines() if "/libggml-" in line}
+    return tuple(sorted(name for name in names if not name.startswith("libggml-base")))
+
+
+def _devices(lib: ctypes.CDLL) -> tuple[Device, ...]:
+    devices = []
+    for index in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(index)
+        devices.append(
+            Device(
+                name=(lib.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
+                description=(lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace").strip(),
+                type=DEVICE_TYPES.get(int(lib.ggml_backend_dev_type(dev)), "unknown"),
+            )
+        )
+    return tuple(devices)
+
+
+def ensure_backends() -> Backends:
+    """Load every backend library found next to llama.cpp (or in `$GGML_BACKEND_DIR`) unless
+    backends are already registered; return what is available. Raises `StartupError` when no
+    device can be used."""
+    import llama_cpp  # noqa: F401 - loads libllama.so and with it libggml
 
     lib = _ggml()
+    directory = os.environ.get(BACKEND_DIR_ENV) or str(llama_cpp_lib_dir())
     if lib.ggml_backend_reg_count() == 0:
-        directory = os.environ.get(BACKEND_DIR_ENV) or str(llama_cpp_lib_dir())
-        log.info("loading ggml backends from %s", directory)
+        log.debug("loading ggml backends from %s", directory)
         lib.ggml_backend_load_all_from_path(directory.encode())
-    devices = int(lib.ggml_backend_dev_count())
-    if devices == 0:
+    backends = Backends(devices=_devices(lib), libraries=loaded_backend_libraries())
+    if not backends.devices:
         raise StartupError(
-            f"no llama.cpp backend could be loaded (looked in {llama_cpp_lib_dir()}; "
-            f"set {BACKEND_DIR_ENV} to the directory holding libggml-cpu-*.so)"
+            f"no llama.cpp backend could be loaded from {directory} "
+            f"(set {BACKEND_DIR_ENV} to the directory holding libggml-cpu-*.so)"
         )
-    return devices
+    return backends
+
+
+def cuda_load_error(directory: Path) -> str:
+    """Why the CUDA backend library in `directory` does not load, in a few words."""
+    path = directory / CUDA_LIBRARY
+    if not path.is_file():
+        return f"this image has no CUDA backend ({CUDA_LIBRARY} is not in {directory}: a CPU image?)"
+    try:
+        ctypes.CDLL(str(path))
+    except OSError as exc:  # typically: libcuda.so.1 missing = no NVIDIA driver mounted
+        return f"{CUDA_LIBRARY} does not load ({' '.join(str(exc).split())})"
+    return f"{CUDA_LIBRARY} loads but reports no CUDA device (no GPU visible to the container?)"
+
+
+def require_gpu(backends: Backends, n_gpu_layers: int, *, setting: str = "DECIDER_N_GPU_LAYERS") -> None:
+    """Refuse to start on CPU when GPU layers are requested: a GPU instance that silently computes
+    on its CPU would be many times slower and still report healthy."""
+    if n_gpu_layers == 0 or backends.has_gpu:
+        return
+    lib_dir = Path(os.environ.get(BACKEND_DIR_ENV) or llama_cpp_lib_dir())
+    found = ", ".join(f"{d.name} ({d.type})" for d in backends.devices)
+    raise StartupError(
+        f"{setting}={n_gpu_layers} asks for GPU offload, but llama.cpp found no GPU device "
+        f"(devices: {found}); {cuda_load_error(lib_dir)}. Run the CUDA image on a GPU instance, "
+        f"or set {setting}=0 for CPU"
+    )
+
+
+if __name__ == "__main__":  # `python -m decider.server.ggml_backends`: what this host offers
+    print(ensure_backends().describe())

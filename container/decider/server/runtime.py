@@ -49,11 +49,14 @@ EngineLoader = Callable[[Settings], Engine]
 
 
 def load_engine(settings: Settings) -> Engine:
-    """The production loader: register llama.cpp backends, then load and verify the GGUF."""
+    """The production loader: register llama.cpp backends (a GPU one when GPU layers are
+    requested), then load and verify the GGUF."""
     from decider.engine import DecisionEngine
-    from decider.server.ggml_backends import ensure_backends
+    from decider.server.ggml_backends import ensure_backends, require_gpu
 
-    ensure_backends()
+    backends = ensure_backends()
+    log.info("llama.cpp backends: %s", backends.describe())
+    require_gpu(backends, settings.n_gpu_layers, setting=settings.env_name("n_gpu_layers"))
     return DecisionEngine.load(settings)
 
 

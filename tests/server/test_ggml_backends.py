@@ -1,0 +1,95 @@
+"""The image's run-time backend path: ggml reached in the copy libllama uses, and the GPU check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from decider.errors import StartupError
+from decider.server.ggml_backends import (
+    CUDA_LIBRARY,
+    Backends,
+    Device,
+    cuda_load_error,
+    ensure_backends,
+    require_gpu,
+)
+from decider.server.runtime import describe_failure, load_engine
+from decider.settings import Settings
+
+CPU = Device("CPU", "Some CPU", "cpu")
+GPU = Device("CUDA0", "NVIDIA L4", "gpu")
+
+# Run in a fresh interpreter: opening the wheel's other libggml copy would otherwise stay loaded in
+# the test session. Prints the addresses `ggml_backend_reg_count` resolves to.
+PROBE = """
+import ctypes, json, sys
+from pathlib import Path
+import llama_cpp
+from decider.server.ggml_backends import _ggml, llama_cpp_lib_dir
+
+def address(lib):
+    return ctypes.cast(lib.ggml_backend_reg_count, ctypes.c_void_p).value
+
+maps = Path("/proc/self/maps").read_text().splitlines()
+mapped = sorted({line.split()[-1] for line in maps if "/libggml.so" in line})
+through_llama = address(_ggml())
+plain = llama_cpp_lib_dir() / "libggml.so"
+print(json.dumps({"mapped": mapped, "through_llama": through_llama,
+                  "in_mapped": address(ctypes.CDLL(mapped[0])),
+                  "in_plain_name": address(ctypes.CDLL(str(plain))),
+                  "plain_is_mapped": plain.samefile(mapped[0])}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps (Linux)")
+def test_ggml_is_reached_in_the_copy_libllama_links_against() -> None:
+    result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    probe = json.loads(result.stdout)
+    assert len(probe["mapped"]) == 1, probe  # `import llama_cpp` maps exactly one libggml
+    assert probe["through_llama"] == probe["in_mapped"], probe
+    if not probe["plain_is_mapped"]:
+        # The wheel's separate libggml.so copy has its own registry: the bug this module avoids.
+        assert probe["in_plain_name"] != probe["through_llama"], probe
+
+
+def test_ensure_backends_finds_a_cpu_device() -> None:
+    backends = ensure_backends()
+    assert any(device.type == "cpu" for device in backends.devices), backends
+    assert "CPU" in backends.describe()
+    if sys.platform.startswith("linux"):
+        assert any(name.startswith("libggml-cpu") for name in backends.libraries), backends
+
+
+def test_no_gpu_requested_is_fine_on_cpu() -> None:
+    require_gpu(Backends(devices=(CPU,), libraries=("libggml-cpu-haswell.so",)), 0)
+
+
+def test_gpu_layers_on_a_gpu_are_fine() -> None:
+    require_gpu(Backends(devices=(GPU, CPU), libraries=("libggml-cuda.so",)), -1)
+
+
+@pytest.mark.parametrize("layers", [-1, 999, 12])
+def test_gpu_layers_without_a_gpu_stop_start_up_with_one_line(layers: int) -> None:
+    with pytest.raises(StartupError) as refused:
+        require_gpu(Backends(devices=(CPU,), libraries=("libggml-cpu-haswell.so",)), layers)
+    line = describe_failure(refused.value)
+    assert "\n" not in line
+    assert f"DECIDER_N_GPU_LAYERS={layers}" in line
+    assert "no GPU device" in line and "CPU (cpu)" in line
+    assert "DECIDER_N_GPU_LAYERS=0" in line  # says how to run on CPU on purpose
+
+
+def test_cuda_load_error_names_the_cause(tmp_path: Path) -> None:
+    assert "no CUDA backend" in cuda_load_error(tmp_path)
+    (tmp_path / CUDA_LIBRARY).write_bytes(b"not a shared library")
+    assert "does not load" in cuda_load_error(tmp_path)
+
+
+def test_load_engine_refuses_gpu_layers_on_this_cpu_build(smollm2_path: Path) -> None:
+    # The production loader runs the check before the model is read: no silent CPU fallback.
+    with pytest.raises(StartupError, match="asks for GPU offload"):
+        load_engine(Settings(model_path=smollm2_path, n_gpu_layers=-1))
