@@ -198,6 +198,12 @@ class Settings(BaseSettings):
                 f"n_ubatch ({self.n_ubatch}) must be at most {INVARIANT_MAX_UBATCH} with batch_invariant: "
                 "larger micro-batches switch llama.cpp's CPU attention to a tiled kernel"
             )
+        reserved = 4 if self.invariant_batches else 1  # head (+ invariance pad and two graveyards)
+        if self.n_seq_max < reserved + 2:
+            raise ValueError(
+                f"n_seq_max ({self.n_seq_max}) must be at least {reserved + 2}: {reserved} reserved "
+                "sequence(s), plus one for a state and one for a question branch"
+            )
         if self.micro_batch > self.n_batch:
             raise ValueError(f"n_ubatch ({self.micro_batch}) must not exceed n_batch ({self.n_batch})")
         if self.max_state_tokens >= self.n_ctx:

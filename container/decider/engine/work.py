@@ -289,9 +289,13 @@ class DecisionWork:
     @staticmethod
     def _fits(step: Step, state: _StateRun) -> bool:
         """Room for one more branch: always inside a state's reservation; a streaming state takes
-        its next branch's cells from what is free."""
+        its next branch's cells from what is free. In memory epochs a streaming state opens its
+        branches one at a time: a branch freed below a live sibling would leave a hole that the
+        sibling's next cells fill out of position order."""
         if not state.streaming:
             return True
+        if step.seqs.epochs and (state.filling or state.branches):
+            return False
         cells = state.item_cells[id(state.pending[0])]
         if cells > step.cells_left:
             return False

@@ -359,8 +359,9 @@ class Scheduler:
 
     def _decode_head(self, backend: Backend) -> None:
         assert self._seqs is not None
+        for start in range(0, len(self._head), backend.n_batch):
+            backend.decode([Row(HEAD_SEQ, self._head[start : start + backend.n_batch], start)])
         if self._head:
-            backend.decode([Row(HEAD_SEQ, self._head, 0)])
             self._seqs.keep(backend, HEAD_SEQ)
         self._head_ready = True
 
