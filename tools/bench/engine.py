@@ -1,303 +1,607 @@
-"""Engine benchmark (`make bench-engine`): shared fan-out vs fresh prefill vs the text route.
+"""Engine benchmark (`make bench-engine`): shared fan-out vs fresh prefill vs the text route, prompt
+v2 vs v1, batch-invariant vs throughput kernels, and choice questions with 128 and 255 options.
 
-Two workloads, measured side by side in one process on one loaded model:
+Two workloads, measured side by side in one run:
 
 - W1: a stated subset of the JevBench-240 cases (each about 9 questions on a 250-650 token state).
 - W2: one ~2,000-token state made of concatenated JevBench-240 case states, with 21 of their questions.
 
-Per workload it reports decisions/s in fresh and shared mode and their ratio; the ideal ratio
-(fresh tokens / unique tokens); the engine's shared-mode time against the physical limit
-(unique tokens / the raw llama.cpp prefill rate measured here on the same tokens, decoded as
-one plain sequence); and decisions/s against the text route, i.e. one greedy chat completion
-per question that generates the option's letter, as a user of a chat endpoint would.
+On the default engine (batch-invariant CPU kernels, prompt `decider-options-v1`), per workload:
+decisions/s in fresh and shared mode and their ratio; the ideal ratio (fresh tokens / shared
+tokens); the engine's shared-mode time against the physical limit (the same tokens decoded by
+llama.cpp alone as one plain sequence after the cached head, `n_batch` tokens per decode, on the
+same context); and decisions/s against the text route, i.e. one greedy chat completion per question
+that generates the option's letter, as a user of a chat endpoint would.
 
-Every fresh question is an independent prefill, so on W2 fresh mode and the text route are
-timed on the first few questions only (`--w2-sample`) and reported as rates.
+Also on W1: a second engine with `decider-options-v2` (shared and fresh), for `v2_vs_v1` (v1 time /
+v2 time), the token ratio and both versions' shared-vs-fresh max |Δp|. On W1 and W2: a throughput
+engine (`batch_invariant=False`, `n_ubatch=512`) for `invariant_cost` (time invariant / time
+throughput). ggml reads `GGML_CPU_TILED_MM_FORCE` once per process, at the first K-quant matmul,
+and the batch-invariant engine sets it; so the throughput engine always runs in a child process
+whose environment does not have it (exact for K-quant models such as Gemma 3, harmless for SmolLM2).
+Last, one choice question with 128 and with 255 options on one JevBench state (default engine).
+
+Every fresh question is an independent prefill, so on W2 fresh mode and the text route are timed on
+the first few questions only (`--w2-sample`) and reported as rates.
 The data set is JevBench (Apache-2.0; see its LICENSE and NOTICE under shared/data/jevbench).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from decider.engine import DecisionEngine
 from decider.engine.bundled import smollm2_path
-from decider.engine.engine import common_prefix_length
+from decider.engine.decisions import DecisionPlanner
 from decider.engine.native import Row
+from decider.engine.prompt import PROMPT_V1, PROMPT_V2, SYSTEM_PROMPT
+from decider.engine.work import HEAD_SEQ
 from decider.schemas.decision import DecisionRequest, parse_decision_request
 from decider.settings import Settings
 from rich.console import Console
 from rich.table import Table
 
-from tools.evaluate.cases import JEVBENCH_240_CASES, load_items
+from tools.bench.common import (
+    Distributions,
+    argmax_agreement,
+    best_of,
+    distributions,
+    key_values,
+    load_cases,
+    max_abs_delta,
+    ratio,
+    request_body,
+    spread,
+)
+from tools.evaluate.cases import JEVBENCH_240_CASES
 
 CASES = JEVBENCH_240_CASES
-W2_TARGET_STATE_TOKENS = 2000
-W2_QUESTIONS = 21
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TEXT_ROUTE_MAX_TOKENS = 4  # a letter (1-2 tokens) plus end of turn
+OPTION_COUNTS = (128, 255)
+THROUGHPUT_UBATCH = 512
+TILED_ENV = "GGML_CPU_TILED_MM_FORCE"
+# The raw-prefill measurement borrows this sequence while the engine is idle: the scheduler's pool
+# hands sequences out only to running work, and 1 is never one of its reserved ids (head, pad,
+# graveyards: 0 and the highest ones).
+RAW_SEQ = 1
+# Option descriptions of the many-options question: short, distinct routing targets.
+AREAS = (
+    "Billing",
+    "Refunds",
+    "Login and access",
+    "Data export",
+    "Integrations",
+    "Mobile app",
+    "Performance",
+    "Security review",
+    "Account closure",
+    "Plan changes",
+    "Invoices",
+    "Onboarding",
+    "API errors",
+    "Notifications",
+    "Reporting",
+    "Legal and privacy",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    bodies: list[dict[str, Any]]  # {"id", "state", "questions"}
+    sample: int | None  # questions timed in fresh mode and on the text route (None: all)
 
 
 @dataclass
-class Totals:
+class Timed:
+    """One kind of run over a workload: best-of-repeats seconds summed over its requests."""
+
+    seconds: float = 0.0
     questions: int = 0
-    fresh_tokens: int = 0
-    unique_tokens: int = 0
-    fresh_seconds: float = 0.0
-    fresh_questions: int = 0
-    shared_seconds: float = 0.0
-    raw_seconds: float = 0.0
-    text_seconds: float = 0.0
-    text_questions: int = 0
-    argmax_agree: int = 0
-    compared: int = 0
-    max_delta: float = 0.0
+    tokens: int = 0  # tokens the engine decodes (the plans' cost)
+    answers: dict[str, Distributions] = field(default_factory=dict)  # request id -> distributions
 
-    def ratios(self) -> dict[str, float]:
-        fresh_rate = self.fresh_questions / self.fresh_seconds
-        shared_rate = self.questions / self.shared_seconds
-        text_rate = self.text_questions / self.text_seconds
-        return {
-            "fresh_dps": fresh_rate,
-            "shared_dps": shared_rate,
-            "text_dps": text_rate,
-            "shared_vs_fresh": shared_rate / fresh_rate,
-            "ideal": self.fresh_tokens / self.unique_tokens,
-            "raw_tps": self.unique_tokens / self.raw_seconds,
-            "engine_vs_limit": self.shared_seconds / self.raw_seconds,
-            "decision_vs_generation": shared_rate / text_rate,
-        }
+    @property
+    def rate(self) -> float:
+        return ratio(self.questions, self.seconds)
 
 
-def load_cases(path: Path) -> list[dict[str, Any]]:
-    """Every case as {"id", "state", "questions"} (read and checked by decide-eval's loader)."""
-    return [{"id": item.item_id, **item.request} for item in load_items(path)]
-
-
-def pick_w1(cases: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-    """`count` cases spread evenly over the suite (deterministic)."""
-    step = max(1, len(cases) // count)
-    return cases[::step][:count]
-
-
-def build_w2(engine: DecisionEngine, cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """One ~2,000-token state from consecutive case states, and 21 questions taken from those cases."""
+# --- workloads ------------------------------------------------------------------------------------
+def build_w2(
+    engine: DecisionEngine, cases: list[dict[str, Any]], target_tokens: int, questions: int
+) -> dict[str, Any]:
+    """One long state from consecutive case states, and `questions` questions taken from those cases."""
     parts: list[str] = []
-    questions: dict[str, Any] = {}
+    picked: dict[str, Any] = {}
     for case in cases:
         parts.append(case["state"])
         for key, question in case["questions"].items():
-            questions[f"{case['id']}.{key}"] = question
-        if (
-            engine.count_tokens("\n\n---\n\n".join(parts)) >= W2_TARGET_STATE_TOKENS
-            and len(questions) >= W2_QUESTIONS
-        ):
+            picked[f"{case['id']}.{key}"] = question
+        if engine.count_tokens("\n\n---\n\n".join(parts)) >= target_tokens and len(picked) >= questions:
             break
-    picked = dict(list(questions.items())[:W2_QUESTIONS])
-    return {"state": "\n\n---\n\n".join(parts), "questions": picked}
+    return {
+        "id": "W2",
+        "state": "\n\n---\n\n".join(parts),
+        "questions": dict(list(picked.items())[:questions]),
+    }
 
 
-def prompts(engine: DecisionEngine, request: DecisionRequest) -> list[list[int]]:
-    labels = engine.slot_table.labels
-    out = []
-    for question in request.questions:
-        shown = [(labels[i], option.description) for i, option in enumerate(question.options)]
-        out.append(engine.render_prompt(request.state, question.instructions, shown)[1])
+def workloads(engine: DecisionEngine, args: argparse.Namespace) -> list[Workload]:
+    cases = load_cases(CASES)
+    w2 = build_w2(engine, cases, args.w2_tokens, args.w2_questions)
+    return [Workload("W1", spread(cases, args.w1_cases), None), Workload("W2", [w2], args.w2_sample)]
+
+
+def parse(body: dict[str, Any], limit: int | None = None, **fields: Any) -> DecisionRequest:
+    request = parse_decision_request(request_body(body, **fields))
+    if limit:
+        request = request.model_copy(update={"questions": request.questions[:limit]})
+    return request
+
+
+# --- measurements ---------------------------------------------------------------------------------
+def decide_run(
+    engine: DecisionEngine, workload: Workload, mode: str, repeats: int, *, sampled: bool
+) -> Timed:
+    """`decide()` every request of the workload in `mode` (the first `sample` questions if `sampled`)."""
+    out = Timed()
+    for body in workload.bodies:
+        request = parse(body, workload.sample if sampled else None, mode=mode)
+        seconds, response = best_of(repeats, lambda request=request: engine.decide(request))
+        out.seconds += seconds
+        out.questions += len(request.questions)
+        out.tokens += engine.plan_decision(request).cost_tokens
+        out.answers[body["id"]] = distributions(response.to_wire())
     return out
+
+
+def plain_sequence(engine: DecisionEngine, body: dict[str, Any]) -> list[int]:
+    """The tokens shared mode decodes for a request (state prefix, then every question's tail)."""
+    state = engine.plan_decision(parse(body, mode="shared")).states[0]
+    return [*state.prefix, *(token for item in state.items for token in item.tokens)]
 
 
 def raw_prefill_seconds(engine: DecisionEngine, tokens: list[int]) -> float:
-    """llama.cpp alone: the same unique tokens as one plain sequence, n_batch tokens per decode."""
+    """llama.cpp alone: `tokens` as one plain sequence after the cached head, n_batch tokens per decode.
+
+    Runs on the engine's own thread while it is idle (the runtime is not thread-safe), after
+    freeing the cells the last request left in its memory epoch."""
     runtime = engine.runtime
-    runtime.clear()
-    started = time.perf_counter()
-    runtime.decode_rows([Row(seq_id=0, tokens=tokens, start_pos=0)])
-    elapsed = time.perf_counter() - started
-    runtime.clear()
-    return elapsed
+    scheduler = engine._local  # created by the warm-up decide()
+    offset = len(engine.head_tokens)
+
+    def run() -> float:
+        scheduler._maybe_compact(runtime)
+        runtime.seq_copy(HEAD_SEQ, RAW_SEQ)
+        try:
+            started = time.perf_counter()
+            for start in range(0, len(tokens), runtime.n_batch):
+                runtime.decode([Row(RAW_SEQ, tokens[start : start + runtime.n_batch], offset + start)])
+            return time.perf_counter() - started
+        finally:
+            runtime.seq_remove(RAW_SEQ)
+
+    return scheduler.submit_unscheduled(run).result()
 
 
-def text_route_seconds(
-    engine: DecisionEngine, request: DecisionRequest, limit: int | None
-) -> tuple[float, int]:
-    """One greedy chat completion per question, generating the option letter (the chat-endpoint way)."""
-    from decider.engine.prompt import SYSTEM_PROMPT, payload
-
-    labels = engine.slot_table.labels
-    questions = request.questions[:limit] if limit else request.questions
-    started = time.perf_counter()
-    for question in questions:
-        shown = [(labels[i], option.description) for i, option in enumerate(question.options)]
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": payload(request.state, question.instructions, shown)},
-        ]
-        for _event in engine.generate(
-            messages, max_tokens=TEXT_ROUTE_MAX_TOKENS, temperature=0.0, top_p=1.0, stop=["\n"], seed=0
-        ):
-            pass
-    return time.perf_counter() - started, len(questions)
-
-
-def distributions(response: Any) -> dict[str, list[float]]:
-    out = {}
-    for key, answer in response.answers.items():
-        out[key] = (
-            [answer.noul, 1 - answer.noul] if answer.type == "noul" else list(answer.probabilities.values())
-        )
+def raw_run(engine: DecisionEngine, workload: Workload, repeats: int) -> Timed:
+    out = Timed()
+    for body in workload.bodies:
+        tokens = plain_sequence(engine, body)
+        out.seconds += min(raw_prefill_seconds(engine, tokens) for _ in range(max(1, repeats)))
+        out.tokens += len(tokens)
     return out
 
 
-def best_of(repeats: int, run: Any) -> tuple[float, Any]:
-    """Fastest of `repeats` runs (the least disturbed by other processes) and its result."""
-    best: tuple[float, Any] | None = None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        result = run()
-        elapsed = time.perf_counter() - started
-        if best is None or elapsed < best[0]:
-            best = (elapsed, result)
-    assert best is not None
-    return best
+def text_route_run(engine: DecisionEngine, workload: Workload, repeats: int) -> Timed:
+    """One greedy chat completion per question, generating the option letter (the chat-endpoint way)."""
+    planner = engine.planner
+    fmt = planner.builder.format
+    out = Timed()
+    for body in workload.bodies:
+        request = parse(body, workload.sample)
+        conversations = []
+        for question in request.questions:
+            labels = planner.labels.for_count(len(question.options))
+            shown = [
+                (label.text, DecisionPlanner._description(question, i, fmt)) for i, label in enumerate(labels)
+            ]
+            user = fmt.payload(request.state, question.instructions, shown)
+            conversations.append(
+                [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+            )
+
+        def run(conversations: list[list[dict[str, str]]] = conversations) -> None:
+            for messages in conversations:
+                engine.generate(
+                    messages,
+                    max_tokens=TEXT_ROUTE_MAX_TOKENS,
+                    temperature=0.0,
+                    top_p=1.0,
+                    stop=["\n"],
+                    seed=0,
+                )
+
+        seconds, _ = best_of(repeats, run)
+        out.seconds += seconds
+        out.questions += len(conversations)
+    return out
 
 
-def measure(
-    engine: DecisionEngine, body: dict[str, Any], totals: Totals, fresh_limit: int | None, repeats: int
-) -> None:
-    """Fresh, shared, raw prefill and text route on one request, back to back (best of `repeats` each)."""
-    request = parse_decision_request(body, max_questions=1000, max_options=1000)
-    tokens = prompts(engine, request)
-    prefix = common_prefix_length(tokens)
-    unique = tokens[0][:prefix] + [t for seq in tokens for t in seq[prefix:]]
-    totals.questions += len(tokens)
-    totals.fresh_tokens += sum(len(seq) for seq in tokens)
-    totals.unique_tokens += len(unique)
+def many_options_body(case: dict[str, Any], count: int) -> dict[str, Any]:
+    criteria = {
+        f"queue_{i + 1:03d}": f"{AREAS[i % len(AREAS)]}, tier {i // len(AREAS) + 1}" for i in range(count)
+    }
+    question = {
+        "type": "choice",
+        "instructions": "Which queue should handle this case?",
+        "criteria": criteria,
+    }
+    return {"id": f"options-{count}", "state": case["state"], "questions": {"queue": question}}
 
-    fresh_request = request
-    if fresh_limit:
-        fresh_request = request.model_copy(update={"questions": request.questions[:fresh_limit]})
-    seconds, fresh = best_of(
-        repeats, lambda: engine.decide(fresh_request.model_copy(update={"mode": "fresh"}))
+
+def options_run(engine: DecisionEngine, case: dict[str, Any], count: int, repeats: int) -> dict[str, Any]:
+    """One choice question with `count` options on one state: time, tokens, readout, decodes.
+
+    A model whose tokenizer verifies fewer labels than `count` gets a row of NaNs (not run)."""
+    if count > engine.max_options:
+        nan = math.nan
+        unsupported = f"unsupported (max {engine.max_options})"
+        return {"options": count, "seconds": nan, "tokens": 0, "readout": unsupported, "decodes": 0,
+                "top_p": nan, "sum_p": nan}  # fmt: skip
+    request = parse(many_options_body(case, count), extensions=True)
+    seconds, response = best_of(repeats, lambda: engine.decide(request))
+    answer = response.answers["queue"]
+    return {
+        "options": count,
+        "seconds": seconds,
+        "tokens": engine.plan_decision(request).cost_tokens,
+        "readout": answer.extensions["readout"],
+        "decodes": response.extensions["decodes"],
+        "top_p": max(answer.probabilities.values()),
+        "sum_p": sum(answer.probabilities.values()),
+    }
+
+
+# --- the throughput engine, in a child process ------------------------------------------------------
+def throughput_worker(args: argparse.Namespace) -> int:
+    """Child process: shared mode and raw prefill on W1 and W2, and the many-option questions, with
+    throughput kernels; JSON out."""
+    settings = Settings(
+        **engine_settings(args), prompt_version=PROMPT_V1, batch_invariant=False, n_ubatch=THROUGHPUT_UBATCH
     )
-    totals.fresh_seconds += seconds
-    totals.fresh_questions += len(fresh_request.questions)
-    seconds, shared = best_of(repeats, lambda: engine.decide(request.model_copy(update={"mode": "shared"})))
-    totals.shared_seconds += seconds
-    totals.raw_seconds += min(raw_prefill_seconds(engine, unique) for _ in range(repeats))
-    seconds, count = best_of(repeats, lambda: text_route_seconds(engine, request, fresh_limit)[1])
-    totals.text_seconds += seconds
-    totals.text_questions += count
+    engine = DecisionEngine.load(settings)
+    loads = workloads(engine, args)
+    engine.decide(parse(loads[0].bodies[0]))  # warm-up: graph allocation, page cache
+    result: dict[str, Any] = {}
+    for workload in loads:
+        shared = decide_run(engine, workload, "shared", args.repeats, sampled=False)
+        result[workload.name] = {
+            "shared": asdict(shared),
+            "raw": asdict(raw_run(engine, workload, args.repeats)),
+        }
+    result["options"] = [
+        options_run(engine, loads[0].bodies[0], count, args.repeats) for count in OPTION_COUNTS
+    ]
+    engine.close()
+    args.worker_out.write_text(json.dumps(result))
+    return 0
 
-    s_probs, f_probs = distributions(shared), distributions(fresh)
-    for key, probs in f_probs.items():
-        totals.compared += 1
-        totals.argmax_agree += probs.index(max(probs)) == s_probs[key].index(max(s_probs[key]))
-        totals.max_delta = max(
-            totals.max_delta, *(abs(a - b) for a, b in zip(probs, s_probs[key], strict=True))
-        )
+
+def run_throughput_child(
+    argv: list[str], inherited_tiled: str | None
+) -> tuple[dict[str, dict[str, Timed]], list[dict[str, Any]]]:
+    """The throughput engine's runs by workload, and its many-option rows (see `throughput_worker`)."""
+    env = dict(os.environ)
+    if inherited_tiled is None:
+        env.pop(TILED_ENV, None)  # set by this process's batch-invariant runtime, not by the user
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        out = Path(tmp) / "throughput.json"
+        command = [sys.executable, "-m", "tools.bench.engine", *argv, "--worker-out", str(out)]
+        subprocess.run(command, env=env, cwd=REPO_ROOT, check=True)
+        raw = json.loads(out.read_text())
+    options = raw.pop("options")
+    runs = {name: {kind: Timed(**timed) for kind, timed in kinds.items()} for name, kinds in raw.items()}
+    return runs, options
+
+
+@contextlib.contextmanager
+def phase(console: Console, what: str) -> Iterator[None]:
+    """Say what is being measured, and how long it took (for sizing the run)."""
+    console.print(f"[dim]measuring {what}…[/]", end=" ")
+    started = time.perf_counter()
+    yield
+    console.print(f"[dim]{time.perf_counter() - started:.0f} s[/]")
+
+
+# --- output -------------------------------------------------------------------------------------------
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    settings: dict[str, Any] = {"model_path": args.model or smollm2_path(), "n_gpu_layers": args.n_gpu_layers}
+    if args.threads:
+        settings["n_threads"] = args.threads
+    return settings
+
+
+def compare(a: dict[str, Distributions], b: dict[str, Distributions]) -> tuple[int, int, float]:
+    """(argmax agreements, questions, max |Δp|) over the questions b holds for each request of a."""
+    same = total = 0
+    worst = 0.0
+    for request_id, probs in b.items():
+        mine = {key: a[request_id][key] for key in probs}
+        agree, count = argmax_agreement(mine, probs)
+        same, total = same + agree, total + count
+        worst = max(worst, max_abs_delta(mine, probs))
+    return same, total, worst
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the bundled SmolLM2)")
     parser.add_argument("--w1-cases", type=int, default=4, help="JevBench-240 cases in W1 (default 4)")
     parser.add_argument(
+        "--w2-tokens", type=int, default=2000, help="W2 state tokens, at least (default 2000)"
+    )
+    parser.add_argument("--w2-questions", type=int, default=21, help="W2 questions (default 21)")
+    parser.add_argument(
         "--w2-sample", type=int, default=2, help="W2 questions timed in fresh/text mode (default 2)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: W1 1 case, W2 ~800 tokens, 8 questions, sample 1"
     )
     parser.add_argument(
         "--repeats", type=int, default=1, help="time each measurement N times, keep the fastest"
     )
+    parser.add_argument("--threads", type=int, default=None, help="DECIDER_N_THREADS (default: all cores)")
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
+    parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.w1_cases, args.w2_tokens, args.w2_questions, args.w2_sample = 1, 800, 8, 1
+    if args.worker_out:
+        return throughput_worker(args)
+    inherited_tiled = os.environ.get(TILED_ENV)
     console = Console(width=200)
 
-    settings = Settings(model_path=args.model or smollm2_path(), n_gpu_layers=args.n_gpu_layers)
+    settings = Settings(**engine_settings(args), prompt_version=PROMPT_V1)
     engine = DecisionEngine.load(settings)
-    cases = load_cases(CASES)
-    w1_cases = pick_w1(cases, args.w1_cases)
-    w2_body = build_w2(engine, cases)
+    v2 = DecisionEngine.load(Settings(**engine_settings(args), prompt_version=PROMPT_V2))
+    w1, w2 = workloads(engine, args)
     console.print(
         f"model {engine.model_info.id}, {settings.threads()} threads, n_ctx {settings.n_ctx}, "
-        f"n_batch {settings.n_batch}, n_ubatch {settings.n_ubatch}, n_gpu_layers {settings.n_gpu_layers}, "
+        f"n_batch {settings.n_batch}, n_ubatch {settings.micro_batch}, batch_invariant "
+        f"{settings.invariant_batches}, n_gpu_layers {settings.n_gpu_layers}, "
         f"{platform.processor() or platform.machine()}"
     )
-    console.print(f"W1: {len(w1_cases)} JevBench-240 cases ({', '.join(c['id'] for c in w1_cases)})")
+    console.print(f"W1: {len(w1.bodies)} JevBench-240 cases ({', '.join(c['id'] for c in w1.bodies)})")
     console.print(
-        f"W2: one {engine.count_tokens(w2_body['state'])}-token state, "
-        f"{len(w2_body['questions'])} questions; "
-        f"fresh and text route timed on the first {args.w2_sample}; best of {args.repeats} per measurement"
+        f"W2: one {engine.count_tokens(w2.bodies[0]['state'])}-token state, "
+        f"{len(w2.bodies[0]['questions'])} questions; fresh and text route timed on the first "
+        f"{w2.sample}; best of {args.repeats} per measurement"
     )
-    warm_up = {"state": w1_cases[0]["state"], "questions": w1_cases[0]["questions"]}
-    engine.decide(parse_decision_request(warm_up))  # warm-up: graph allocation, page cache
+    for warm in (engine, v2):
+        warm.decide(parse(w1.bodies[0]))  # warm-up: graph allocation, page cache
 
-    results: dict[str, dict[str, float]] = {}
-    totals_by_name: dict[str, Totals] = {}
-    for name, bodies, limit in (("W1", w1_cases, None), ("W2", [w2_body], args.w2_sample)):
-        totals = Totals()
-        for body in bodies:
-            measure(
-                engine, {"state": body["state"], "questions": body["questions"]}, totals, limit, args.repeats
-            )
-        results[name] = totals.ratios()
-        totals_by_name[name] = totals
+    runs: dict[str, dict[str, Timed]] = {}
+    for workload in (w1, w2):
+        with phase(console, f"{workload.name}: fresh, shared, raw prefill, text route"):
+            runs[workload.name] = {
+                "fresh": decide_run(engine, workload, "fresh", args.repeats, sampled=True),
+                "shared": decide_run(engine, workload, "shared", args.repeats, sampled=False),
+                "raw": raw_run(engine, workload, args.repeats),
+                "text": text_route_run(engine, workload, args.repeats),
+                # fresh-mode tokens of the whole workload, for the ideal ratio (fresh may be sampled)
+                "fresh_all": Timed(
+                    tokens=sum(
+                        engine.plan_decision(parse(b, mode="fresh")).cost_tokens for b in workload.bodies
+                    )
+                ),
+            }
+    with phase(console, f"W1 with {PROMPT_V2}: shared, fresh"):
+        runs["W1"]["v2_shared"] = decide_run(v2, w1, "shared", args.repeats, sampled=False)
+        runs["W1"]["v2_fresh"] = decide_run(v2, w1, "fresh", args.repeats, sampled=False)
+    with phase(console, f"choice questions with {' and '.join(map(str, OPTION_COUNTS))} options"):
+        options = [options_run(engine, w1.bodies[0], count, args.repeats) for count in OPTION_COUNTS]
+    for row in options:  # what the same question costs with the compact prompt (planned, not run)
+        if row["tokens"]:
+            body = many_options_body(w1.bodies[0], row["options"])
+            row["v2_tokens"] = v2.plan_decision(parse(body)).cost_tokens
+    v2.close()
+    engine.close()
 
-    table = Table(title="Decision engine: shared fan-out vs fresh prefill vs text route")
-    for column in (
-        "",
-        "questions",
-        "fresh tok",
-        "unique tok",
-        "fresh dec/s",
-        "shared dec/s",
-        "shared/fresh",
-        "ideal",
-        "of ideal",
-        "raw prefill tok/s",
-        "engine/limit",
-        "text dec/s",
-        "decision/text",
-        "argmax agree",
-        "max |Δp|",
-    ):
-        table.add_column(column, justify="right")
-    for name, r in results.items():
-        t = totals_by_name[name]
-        table.add_row(
-            name,
-            str(t.questions),
-            str(t.fresh_tokens),
-            str(t.unique_tokens),
-            f"{r['fresh_dps']:.2f}",
-            f"{r['shared_dps']:.2f}",
-            f"{r['shared_vs_fresh']:.2f}",
-            f"{r['ideal']:.2f}",
-            f"{r['shared_vs_fresh'] / r['ideal']:.2f}",
-            f"{r['raw_tps']:.0f}",
-            f"{r['engine_vs_limit']:.2f}",
-            f"{r['text_dps']:.2f}",
-            f"{r['decision_vs_generation']:.1f}",
-            f"{t.argmax_agree}/{t.compared}",
-            f"{t.max_delta:.3f}",
-        )
-    console.print(table)
+    throughput: dict[str, dict[str, Timed]] | None = None
+    if settings.invariant_batches:
+        with phase(console, "the throughput engine (child process): W1, W2, many options"):
+            throughput, throughput_options = run_throughput_child(argv, inherited_tiled)
+        for row, other in zip(options, throughput_options, strict=True):
+            row["throughput_seconds"] = other["seconds"]
+
+    results = report(console, runs, throughput, options, settings)
     if args.json:
         args.json.write_text(json.dumps({"model": engine.model_info.id, "results": results}, indent=2))
-    engine.close()
-    print(
-        " ".join(
-            f"{name} shared_vs_fresh={r['shared_vs_fresh']:.2f} ideal={r['ideal']:.2f} "
-            f"engine_vs_limit={r['engine_vs_limit']:.2f} "
-            f"decision_vs_generation={r['decision_vs_generation']:.2f}"
-            for name, r in results.items()
+    print(last_line(results))
+    return 0
+
+
+def report(
+    console: Console,
+    runs: dict[str, dict[str, Timed]],
+    throughput: dict[str, dict[str, Timed]] | None,
+    options: list[dict[str, Any]],
+    settings: Settings,
+) -> dict[str, Any]:
+    """Print the tables; return every figure by workload."""
+    results: dict[str, Any] = {}
+    kernels = "batch-invariant" if settings.invariant_batches else "throughput kernels"
+    deadline = settings.deadline_seconds
+    table = Table(title=f"Decision engine ({kernels}, {PROMPT_V1}): shared vs fresh vs text route")
+    columns = (
+        "", "questions", "fresh tok", "shared tok", "fresh dec/s", "shared dec/s", "shared/fresh", "ideal",
+        "of ideal", "raw prefill tok/s", "engine/limit", "text dec/s", "decision/text", "argmax agree",
+        "max |Δp|",
+    )  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="right")
+    for name in ("W1", "W2"):
+        r = runs[name]
+        shared, fresh, raw, text = r["shared"], r["fresh"], r["raw"], r["text"]
+        agree, compared, delta = compare(shared.answers, fresh.answers)
+        figures = {
+            "fresh_dps": fresh.rate,
+            "shared_dps": shared.rate,
+            "text_dps": text.rate,
+            "shared_vs_fresh": ratio(shared.rate, fresh.rate),
+            "ideal": ratio(r["fresh_all"].tokens, shared.tokens),
+            "raw_tps": ratio(raw.tokens, raw.seconds),
+            "engine_vs_limit": ratio(shared.seconds, raw.seconds),
+            "decision_vs_generation": ratio(shared.rate, text.rate),
+            "shared_fresh_max_dp": delta,
+        }
+        results[name] = figures
+        table.add_row(
+            name, str(shared.questions), str(r["fresh_all"].tokens), str(shared.tokens),
+            f"{fresh.rate:.2f}", f"{shared.rate:.2f}", f"{figures['shared_vs_fresh']:.2f}",
+            f"{figures['ideal']:.2f}", f"{figures['shared_vs_fresh'] / figures['ideal']:.2f}",
+            f"{figures['raw_tps']:.0f}", f"{figures['engine_vs_limit']:.2f}", f"{text.rate:.2f}",
+            f"{figures['decision_vs_generation']:.1f}", f"{agree}/{compared}", f"{delta:.4f}",
+        )  # fmt: skip
+    console.print(table)
+
+    invariant = Table(
+        title="Batch-invariant kernels (default) vs throughput kernels (batch_invariant=False, "
+        f"n_ubatch={THROUGHPUT_UBATCH}, child process): shared mode"
+    )
+    for column in (
+        "", "invariant s", "throughput s", "invariant_cost", "raw tok/s inv", "raw tok/s thr",
+        "raw cost", "engine/limit thr", "argmax agree", "max |Δp| inv-thr",
+    ):  # fmt: skip
+        invariant.add_column(column, justify="right")
+    for name in ("W1", "W2"):
+        inv, raw = runs[name]["shared"], runs[name]["raw"]
+        if throughput is None:
+            results[name]["invariant_cost"] = math.nan
+            continue
+        thr, thr_raw = throughput[name]["shared"], throughput[name]["raw"]
+        agree, compared, delta = compare(inv.answers, thr.answers)
+        results[name]["invariant_cost"] = ratio(inv.seconds, thr.seconds)
+        results[name]["invariant_raw_cost"] = ratio(raw.seconds, thr_raw.seconds)
+        results[name]["invariant_vs_throughput_max_dp"] = delta
+        invariant.add_row(
+            name, f"{inv.seconds:.2f}", f"{thr.seconds:.2f}", f"{results[name]['invariant_cost']:.2f}",
+            f"{ratio(raw.tokens, raw.seconds):.0f}", f"{ratio(thr_raw.tokens, thr_raw.seconds):.0f}",
+            f"{results[name]['invariant_raw_cost']:.2f}", f"{ratio(thr.seconds, thr_raw.seconds):.2f}",
+            f"{agree}/{compared}", f"{delta:.4f}",
+        )  # fmt: skip
+    console.print(invariant if throughput is not None else "[yellow]GPU layers: no batch-invariant mode[/]")
+
+    w1 = runs["W1"]
+    versions = Table(title=f"Prompt {PROMPT_V2} vs {PROMPT_V1} on W1 ({kernels})")
+    for column in (
+        "prompt", "shared tok", "fresh tok", "shared s", "shared dec/s", "fresh dec/s", "argmax agree",
+        "max |Δp| shared-fresh",
+    ):  # fmt: skip
+        versions.add_column(column, justify="right")
+    for label, shared, fresh in (
+        (PROMPT_V1, w1["shared"], w1["fresh"]),
+        (PROMPT_V2, w1["v2_shared"], w1["v2_fresh"]),
+    ):
+        agree, compared, delta = compare(shared.answers, fresh.answers)
+        versions.add_row(
+            label, str(shared.tokens), str(fresh.tokens), f"{shared.seconds:.2f}", f"{shared.rate:.2f}",
+            f"{fresh.rate:.2f}", f"{agree}/{compared}", f"{delta:.4f}",
+        )  # fmt: skip
+    same, total, _ = compare(w1["shared"].answers, w1["v2_shared"].answers)
+    versions.caption = f"v1 and v2 pick the same option on {same}/{total} questions (shared mode)"
+    console.print(versions)
+    results["prompt"] = {
+        "v2_vs_v1": ratio(w1["shared"].seconds, w1["v2_shared"].seconds),
+        "v2_vs_v1_tokens": ratio(w1["shared"].tokens, w1["v2_shared"].tokens),
+        "v2_vs_v1_fresh_tokens": ratio(w1["fresh"].tokens, w1["v2_fresh"].tokens),
+        "v1_max_dp": compare(w1["shared"].answers, w1["fresh"].answers)[2],
+        "v2_max_dp": compare(w1["v2_shared"].answers, w1["v2_fresh"].answers)[2],
+        "v1_v2_argmax_agree": same / total if total else math.nan,
+    }
+
+    many = Table(
+        title=f"One choice question with many options on one JevBench state ({kernels}, {PROMPT_V1})"
+    )
+    for column in (
+        "options", "readout", "tokens", "decodes", "seconds", "tok/s", "p(top)", "Σp", "fits deadline",
+        "throughput s", "invariant_cost", f"tokens {PROMPT_V2}",
+    ):  # fmt: skip
+        many.add_column(column, justify="right")
+    for row in options:
+        thr = row.get("throughput_seconds", math.nan)
+        row["invariant_cost"] = ratio(row["seconds"], thr)
+        many.add_row(
+            str(row["options"]), row["readout"], str(row["tokens"]), str(row["decodes"]),
+            f"{row['seconds']:.2f}", f"{ratio(row['tokens'], row['seconds']):.0f}", f"{row['top_p']:.3f}",
+            f"{row['sum_p']:.6f}", fits(row["seconds"], deadline),
+            f"{thr:.2f}", f"{row['invariant_cost']:.2f}", str(row.get("v2_tokens", "-")),
+        )  # fmt: skip
+        results[f"options_{row['options']}"] = row
+    console.print(many)
+    return results
+
+
+def fits(seconds: float, deadline: float) -> str:
+    if math.isnan(seconds):
+        return "-"
+    return f"yes (< {deadline:g} s)" if seconds < deadline else "NO"
+
+
+def last_line(results: dict[str, Any]) -> str:
+    parts = []
+    for name in ("W1", "W2"):
+        r = results[name]
+        parts.append(name)
+        parts.append(
+            key_values(
+                (key, r[key])
+                for key in (
+                    "shared_vs_fresh",
+                    "ideal",
+                    "engine_vs_limit",
+                    "decision_vs_generation",
+                    "invariant_cost",
+                )
+            )
+        )
+    prompt = results["prompt"]
+    parts.append(
+        key_values(
+            [
+                *((f"options_{n}_seconds", results[f"options_{n}"]["seconds"]) for n in OPTION_COUNTS),
+                ("v2_vs_v1", prompt["v2_vs_v1"]),
+                ("v2_vs_v1_tokens", prompt["v2_vs_v1_tokens"]),
+            ]
         )
     )
-    return 0
+    parts.append(
+        key_values(
+            (
+                ("v2_max_dp_shared_fresh", prompt["v2_max_dp"]),
+                ("v1_max_dp_shared_fresh", prompt["v1_max_dp"]),
+            ),
+            digits=4,
+        )
+    )
+    return " ".join(parts)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,26 @@
-"""`make bench-server`: the real server under N concurrent clients on JevBench-240 cases.
+"""`make bench-server`: the real server under 1, 4 and 8 concurrent clients on JevBench-240 cases.
 
-Two measurements in one run, side by side on the same requests:
+Three measurements in one run, on one server started as the image starts it (default settings,
+all cores), side by side on the same requests:
 
 1. HTTP overhead. Each case is decided by an in-process engine and by `POST /invocations` on the
-   real server (same model, same settings), one request at a time, alternating which goes first.
+   server (same model, same settings), one request at a time, alternating which goes first.
    `http_vs_engine` = total HTTP end-to-end time / total in-process time (target: at most 1.10).
-2. Load. N clients send the cases concurrently; throughput, p50/p95/p99 latency, and `/ping`
-   latency (probed every 100 ms during the load) are reported.
+2. Concurrency sweep. The same requests (JevBench cases spread over the suite, `extensions: true`)
+   go to `/invocations` from 1, 4 and 8 closed-loop clients (each sends its next request when its
+   answer arrives). Per level: decisions/s, p50/p95 latency, the queue and engine time the
+   responses report, `/ping` latency probed every 100 ms, and from the `/metrics` counters
+   (`decider_engine_decodes_total`, `decider_engine_decode_rows`, `decider_engine_decode_tokens`)
+   llama_decode calls per request and rows and tokens per decode. Every answer is compared with
+   the 1-client answer to the same request.
+3. Batch route. N states that share one question set, as one `POST /v1/systemone/batch`, against
+   the same N states as N separate `/v1/systemone` requests (one client, and N concurrent clients).
 
-The last line is machine-readable:
-    http_vs_engine=… rps=… p50=… p95=… p99=… ping_p99=…      (times in seconds)
+The last lines are machine-readable (times in seconds; ratios against the 1-client run):
+    http_vs_engine=… ping_p99=…
+    batch_vs_separate=… batch_vs_concurrent=… batch_max_dp=…
+    concurrency=1 decodes_per_request_ratio=… throughput_ratio=… p95_over_p50_1=… max_dp_vs_serial=…
+    (one line per concurrency)
 
 JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../shared; not copied).
 """
@@ -17,6 +28,7 @@ JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../share
 from __future__ import annotations
 
 import argparse
+import math
 import queue
 import statistics
 import threading
@@ -26,34 +38,209 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from tools.evaluate.cases import JEVBENCH_240_CASES, load_items
+from tools.bench.common import (
+    Distributions,
+    distributions,
+    key_values,
+    load_cases,
+    max_abs_delta,
+    ratio,
+    request_body,
+    same_questions_group,
+    spread,
+)
+from tools.evaluate.cases import JEVBENCH_240_CASES
 from tools.evaluate.metrics import percentile
 from tools.local_server import run_local_server
 
 DEFAULT_CASES = JEVBENCH_240_CASES
+CLIENT_TIMEOUT_SECONDS = 120  # above the server's 55 s deadline: the server, not the client, gives up
+# The /metrics series the sweep reads (counter and histogram sums/counts, cumulative since start).
+ENGINE_SERIES = (
+    "decider_engine_decodes_total",
+    "decider_engine_decode_rows_sum",
+    "decider_engine_decode_rows_count",
+    "decider_engine_decode_tokens_sum",
+    "decider_engine_decode_tokens_count",
+)
 
 
-def load_cases(path: Path, limit: int) -> list[dict[str, Any]]:
-    """The first `limit` cases, as decision requests (state + questions only)."""
-    return [item.request for item in load_items(path)[:limit]]
+def engine_counters(metrics_text: str) -> dict[str, float]:
+    """The engine's decode counters from a Prometheus text exposition (missing series read as 0)."""
+    values = dict.fromkeys(ENGINE_SERIES, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in values and not sample.labels:
+                values[sample.name] = float(sample.value)
+    return values
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in ENGINE_SERIES}
+
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    response = client.get("/metrics")
+    response.raise_for_status()
+    return engine_counters(response.text)
 
 
 @dataclass
-class LoadResult:
-    latencies: list[float] = field(default_factory=list)
-    errors: dict[int | str, int] = field(default_factory=dict)  # HTTP status or exception name
+class Outcome:
+    index: int
+    seconds: float
+    status: int | str  # 200, "<status> <error code>", or the exception's name
+    body: dict[str, Any] | None = None
+
+
+@dataclass
+class Level:
+    """One concurrency level of the sweep."""
+
+    clients: int
+    outcomes: list[Outcome] = field(default_factory=list)
     wall_seconds: float = 0.0
     pings: list[float] = field(default_factory=list)
     ping_failures: int = 0
+    counters: dict[str, float] = field(default_factory=dict)  # deltas over the level
+
+    @property
+    def ok(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == 200]
+
+    @property
+    def errors(self) -> dict[int | str, int]:
+        counts: dict[int | str, int] = {}
+        for outcome in self.outcomes:
+            if outcome.status != 200:
+                counts[outcome.status] = counts.get(outcome.status, 0) + 1
+        return counts
+
+    @property
+    def latencies(self) -> list[float]:
+        return [o.seconds for o in self.ok]
+
+    @property
+    def decisions(self) -> int:
+        return sum(len(o.body["answers"]) for o in self.ok if o.body)
+
+    @property
+    def decisions_per_second(self) -> float:
+        return ratio(self.decisions, self.wall_seconds)
+
+    @property
+    def decodes_per_request(self) -> float:
+        """llama_decode calls per answered request (a refused request costs none)."""
+        return ratio(self.counters.get("decider_engine_decodes_total", math.nan), len(self.ok))
+
+    def per_decode(self, what: str) -> float:
+        return ratio(
+            self.counters.get(f"decider_engine_decode_{what}_sum", math.nan),
+            self.counters.get(f"decider_engine_decode_{what}_count", math.nan),
+        )
+
+    def timing(self, key: str) -> list[float]:
+        """`timing.<key>` of every answered request, as its extensions report it."""
+        return [o.body["extensions"]["timing"][key] for o in self.ok if o.body and o.body.get("extensions")]
+
+    def answers(self) -> dict[int, Distributions]:
+        return {o.index: distributions(o.body) for o in self.ok if o.body}
 
 
-def _engine_settings_env(threads: int | None) -> dict[str, str]:
-    return {"DECIDER_N_THREADS": str(threads)} if threads else {}
+# --- clients -----------------------------------------------------------------------------------------
+def _probe_ping(base_url: str, stop: threading.Event, level: Level, interval: float) -> None:
+    with httpx.Client(base_url=base_url, timeout=5) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                ok = client.get("/ping").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                level.pings.append(time.perf_counter() - started)
+            else:
+                level.ping_failures += 1
+            stop.wait(interval)
 
 
+def post(client: httpx.Client, path: str, body: dict[str, Any], index: int) -> Outcome:
+    started = time.perf_counter()
+    try:
+        response = client.post(path, json=body)
+    except httpx.HTTPError as exc:  # recorded like an error status; the client goes on
+        return Outcome(index, time.perf_counter() - started, type(exc).__name__)
+    elapsed = time.perf_counter() - started
+    if response.is_success:
+        return Outcome(index, elapsed, response.status_code, response.json())
+    return Outcome(index, elapsed, f"{response.status_code} {error_code(response)}")
+
+
+def error_code(response: httpx.Response) -> str:
+    """The machine-readable code of an error body (`{"error": {"code"}}`), else its reason phrase."""
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return response.reason_phrase
+
+
+def run_clients(
+    base_url: str, path: str, bodies: list[dict[str, Any]], clients: int, ping_interval: float | None
+) -> Level:
+    """`clients` closed-loop clients share the bodies in order; every outcome is kept by body index."""
+    level = Level(clients)
+    work: queue.Queue[int] = queue.Queue()
+    for index in range(len(bodies)):
+        work.put(index)
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        with httpx.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client:
+            while True:
+                try:
+                    index = work.get_nowait()
+                except queue.Empty:
+                    return
+                outcome = post(client, path, bodies[index], index)
+                with lock:
+                    level.outcomes.append(outcome)
+
+    stop = threading.Event()
+    prober = None
+    if ping_interval:
+        prober = threading.Thread(
+            target=_probe_ping, args=(base_url, stop, level, ping_interval), daemon=True
+        )
+        prober.start()
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    level.wall_seconds = time.perf_counter() - started
+    stop.set()
+    if prober is not None:
+        prober.join()
+    level.outcomes.sort(key=lambda outcome: outcome.index)
+    return level
+
+
+def measured_level(
+    base_url: str, path: str, bodies: list[dict[str, Any]], clients: int, ping_interval: float | None
+) -> Level:
+    """One run of `run_clients` with the engine's counter deltas over it."""
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        before = scrape(client)
+        level = run_clients(base_url, path, bodies, clients, ping_interval)
+        level.counters = counter_delta(before, scrape(client))
+    return level
+
+
+# --- phases ------------------------------------------------------------------------------------------
 def measure_overhead(
     client: httpx.Client, engine: Any, cases: list[dict[str, Any]]
 ) -> tuple[list[float], list[float]]:
@@ -65,12 +252,12 @@ def measure_overhead(
 
     def in_process(case: dict[str, Any]) -> None:
         started = time.perf_counter()
-        engine.decide(parse_decision_request(case)).to_wire()
+        engine.decide(parse_decision_request(request_body(case))).to_wire()
         engine_times.append(time.perf_counter() - started)
 
     def over_http(case: dict[str, Any]) -> None:
         started = time.perf_counter()
-        response = client.post("/invocations", json=case)
+        response = client.post("/invocations", json=request_body(case))
         response.raise_for_status()
         response.json()
         http_times.append(time.perf_counter() - started)
@@ -82,62 +269,151 @@ def measure_overhead(
     return engine_times, http_times
 
 
-def _probe_ping(base_url: str, stop: threading.Event, result: LoadResult, interval: float) -> None:
-    with httpx.Client(base_url=base_url, timeout=5) as client:
-        while not stop.is_set():
-            started = time.perf_counter()
-            try:
-                ok = client.get("/ping").status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                result.pings.append(time.perf_counter() - started)
-            else:
-                result.ping_failures += 1
-            stop.wait(interval)
+def sweep_dp(level: Level, serial: dict[int, Distributions]) -> float:
+    """Largest |Δp| between this level's answers and the 1-client answers to the same requests."""
+    worst = 0.0
+    for index, probs in level.answers().items():
+        if index in serial:
+            worst = max(worst, max_abs_delta(probs, serial[index]))
+    return worst
 
 
-def run_load(
-    base_url: str, cases: list[dict[str, Any]], concurrency: int, ping_interval: float
-) -> LoadResult:
-    result = LoadResult()
-    work: queue.Queue[dict[str, Any]] = queue.Queue()
-    for case in cases:
-        work.put(case)
-    lock = threading.Lock()
+@dataclass
+class BatchResult:
+    states: int
+    questions: int
+    batch: Level
+    sequential: Level
+    concurrent: Level
 
-    def client_loop() -> None:
-        with httpx.Client(base_url=base_url, timeout=120) as client:
-            while True:
-                try:
-                    case = work.get_nowait()
-                except queue.Empty:
-                    return
-                started = time.perf_counter()
-                try:
-                    status: int | str = client.post("/invocations", json=case).status_code
-                except httpx.HTTPError as exc:  # recorded like an error status; the client goes on
-                    status = type(exc).__name__
-                elapsed = time.perf_counter() - started
-                with lock:
-                    if status == 200:
-                        result.latencies.append(elapsed)
-                    else:
-                        result.errors[status] = result.errors.get(status, 0) + 1
+    def max_dp(self, against: Level) -> float:
+        outcome = self.batch.ok[0] if self.batch.ok else None
+        if outcome is None or outcome.body is None:
+            return math.nan
+        separate = against.answers()
+        worst = 0.0
+        for index, result in enumerate(outcome.body["results"]):
+            if index in separate:
+                worst = max(worst, max_abs_delta(distributions(result), separate[index]))
+        return worst
 
-    stop = threading.Event()
-    prober = threading.Thread(target=_probe_ping, args=(base_url, stop, result, ping_interval), daemon=True)
-    prober.start()
-    started = time.perf_counter()
-    clients = [threading.Thread(target=client_loop) for _ in range(concurrency)]
-    for thread in clients:
-        thread.start()
-    for thread in clients:
-        thread.join()
-    result.wall_seconds = time.perf_counter() - started
-    stop.set()
-    prober.join()
-    return result
+
+def measure_batch(base_url: str, group: list[dict[str, Any]]) -> BatchResult:
+    """N states with one question set: one batch request, N sequential and N concurrent requests."""
+    questions = group[0]["questions"]
+    singles = [{"state": case["state"], "questions": questions} for case in group]
+    batch = {"states": [case["state"] for case in group], "questions": questions}
+    return BatchResult(
+        states=len(group),
+        questions=len(questions),
+        batch=measured_level(base_url, "/v1/systemone/batch", [batch], 1, None),
+        sequential=measured_level(base_url, "/v1/systemone", singles, 1, None),
+        concurrent=measured_level(base_url, "/v1/systemone", singles, len(singles), None),
+    )
+
+
+# --- output ------------------------------------------------------------------------------------------
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def concurrency_line(level: Level, serial: Level, serial_answers: dict[int, Distributions]) -> str:
+    return key_values(
+        (
+            ("concurrency", str(level.clients)),
+            ("decodes_per_request_ratio", ratio(level.decodes_per_request, serial.decodes_per_request)),
+            ("throughput_ratio", ratio(level.decisions_per_second, serial.decisions_per_second)),
+            ("p95_over_p50_1", ratio(percentile(level.latencies, 95), percentile(serial.latencies, 50))),
+            ("max_dp_vs_serial", f"{sweep_dp(level, serial_answers):.4f}"),
+        )
+    )
+
+
+def print_overhead(console: Console, engine_times: list[float], http_times: list[float]) -> float:
+    total = ratio(sum(http_times), sum(engine_times))
+    per_request = statistics.median(h / e for h, e in zip(http_times, engine_times, strict=True))
+    table = Table(title="HTTP /invocations vs in-process engine (same requests, sequential)")
+    for column in ("path", "total s", "mean s", "p50 s", "p95 s"):
+        table.add_column(column, justify="right")
+    for name, times in (("in-process engine", engine_times), ("HTTP /invocations", http_times)):
+        table.add_row(
+            name,
+            f"{sum(times):.3f}",
+            f"{statistics.fmean(times):.4f}",
+            f"{percentile(times, 50):.4f}",
+            f"{percentile(times, 95):.4f}",
+        )
+    table.caption = f"ratio of totals {total:.3f} (target ≤ 1.10); median per-request ratio {per_request:.3f}"
+    console.print(table)
+    return total
+
+
+def print_sweep(console: Console, levels: list[Level], serial_answers: dict[int, Distributions]) -> None:
+    table = Table(title="Concurrency sweep: the same JevBench requests on /invocations")
+    for column in (
+        "clients", "requests", "errors", "wall s", "decisions/s", "p50 s", "p95 s", "queue p50 s",
+        "engine p50 s", "decodes/request", "rows/decode", "tokens/decode", "/ping p99 s", "max |Δp| vs 1",
+    ):  # fmt: skip
+        table.add_column(column, justify="right")
+    for level in levels:
+        errors = level.errors
+        table.add_row(
+            str(level.clients),
+            str(len(level.outcomes)),
+            str(sum(errors.values())) + (f" {errors}" if errors else ""),
+            f"{level.wall_seconds:.2f}",
+            f"{level.decisions_per_second:.3f}",
+            f"{percentile(level.latencies, 50):.3f}",
+            f"{percentile(level.latencies, 95):.3f}",
+            f"{median(level.timing('queue_seconds')):.3f}",
+            f"{median(level.timing('engine_seconds')):.3f}",
+            f"{level.decodes_per_request:.2f}",
+            f"{level.per_decode('rows'):.2f}",
+            f"{level.per_decode('tokens'):.1f}",
+            f"{percentile(level.pings, 99):.4f}" if level.pings else "-",
+            f"{sweep_dp(level, serial_answers):.4f}",
+        )
+    table.caption = (
+        "Targets: at 8 clients decodes/request ≤ 0.5× and p95 ≤ 8× the 1-client p50; "
+        "decisions/s at 4 and 8 ≥ 0.95×; |Δp| ≤ 0.01"
+    )
+    console.print(table)
+
+
+def print_batch(console: Console, result: BatchResult) -> None:
+    table = Table(
+        title=f"/v1/systemone/batch: {result.states} states × {result.questions} questions "
+        "against the same states as separate /v1/systemone requests"
+    )
+    for column in (
+        "how",
+        "requests",
+        "errors",
+        "wall s",
+        "decisions/s",
+        "decodes",
+        "rows/decode",
+        "max |Δp|",
+    ):
+        table.add_column(column, justify="right")
+    decisions = result.states * result.questions
+    for name, level, delta in (
+        ("one batch request", result.batch, "-"),
+        ("separate, 1 client", result.sequential, f"{result.max_dp(result.sequential):.4f}"),
+        (f"separate, {result.states} clients", result.concurrent, f"{result.max_dp(result.concurrent):.4f}"),
+    ):
+        table.add_row(
+            name,
+            str(len(level.outcomes)),
+            str(sum(level.errors.values())) + (f" {level.errors}" if level.errors else ""),
+            f"{level.wall_seconds:.2f}",
+            f"{ratio(decisions, level.wall_seconds):.3f}",
+            f"{level.counters.get('decider_engine_decodes_total', math.nan):.0f}",
+            f"{level.per_decode('rows'):.2f}",
+            delta,
+        )
+    table.caption = "max |Δp|: each state's batch answers against its separate answers"
+    console.print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,91 +422,100 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cases", type=Path, default=DEFAULT_CASES, help="JevBench-style cases.jsonl")
     parser.add_argument(
-        "--limit", type=int, default=12, help="first N cases (default 12: a few minutes on 2 quiet cores)"
+        "--requests", type=int, default=16, help="requests per concurrency level (default 16)"
     )
-    parser.add_argument("--concurrency", type=int, default=4, help="concurrent clients in the load phase")
+    parser.add_argument(
+        "--concurrency",
+        default="1,4,8",
+        help="client counts of the sweep, comma-separated; 1 is always run first (default 1,4,8)",
+    )
+    parser.add_argument("--overhead-cases", type=int, default=4, help="cases of the HTTP-overhead phase")
+    parser.add_argument(
+        "--batch-states",
+        type=int,
+        default=6,
+        help="states of the batch-route comparison (default 6: all of them fit one memory epoch)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 8 requests, 2 overhead cases, 3 states"
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="DECIDER_N_THREADS for both (default: all cores)"
     )
     parser.add_argument("--ping-interval", type=float, default=0.1)
     args = parser.parse_args(argv)
-    console = Console()
+    if args.quick:
+        args.requests, args.overhead_cases, args.batch_states = 8, 2, 3
+    levels_wanted = sorted({1, *(int(n) for n in args.concurrency.split(",") if n.strip())})
+    console = Console(width=200)
 
     from decider.engine import DecisionEngine
     from decider.engine.bundled import smollm2_path
     from decider.settings import Settings
 
-    cases = load_cases(args.cases, args.limit)
-    questions = sum(len(case["questions"]) for case in cases)
-    env = _engine_settings_env(args.threads)
+    cases = load_cases(args.cases)
+    sweep_cases = spread(cases, args.requests)
+    bodies = [request_body(case, extensions=True) for case in sweep_cases]
+    questions = sum(len(case["questions"]) for case in sweep_cases)
+    env = {"DECIDER_N_THREADS": str(args.threads)} if args.threads else {}
     settings = Settings(model_path=smollm2_path(), **({"n_threads": args.threads} if args.threads else {}))
     console.print(
-        f"[bold]bench-server[/]: {len(cases)} JevBench-240 cases ({questions} questions), "
-        f"{args.concurrency} clients, threads={settings.threads()}"
+        f"[bold]bench-server[/]: threads={settings.threads()}, batch_invariant={settings.invariant_batches}; "
+        f"sweep: {len(bodies)} JevBench-240 requests ({questions} questions) at {levels_wanted} clients; "
+        f"overhead: {args.overhead_cases} cases; batch: {args.batch_states} states"
     )
-    engine = DecisionEngine.load(settings)
-    with run_local_server(env) as server, httpx.Client(base_url=server.base_url, timeout=120) as client:
-        measure_overhead(client, engine, cases[:2])  # warm-up, both paths
-        engine_times, http_times = measure_overhead(client, engine, cases)
-        load = run_load(server.base_url, cases, args.concurrency, args.ping_interval)
-    engine.close()
-
-    ratio = sum(http_times) / sum(engine_times)
-    per_request = statistics.median(h / e for h, e in zip(http_times, engine_times, strict=True))
-    overhead = Table(title="HTTP /invocations vs in-process engine (same requests, sequential)")
-    for column in ("path", "total s", "mean s", "p50 s", "p95 s"):
-        overhead.add_column(column, justify="right")
-    for name, times in (("in-process engine", engine_times), ("HTTP /invocations", http_times)):
-        overhead.add_row(
-            name,
-            f"{sum(times):.3f}",
-            f"{statistics.fmean(times):.4f}",
-            f"{percentile(times, 50):.4f}",
-            f"{percentile(times, 95):.4f}",
-        )
-    overhead.caption = (
-        f"ratio of totals {ratio:.3f} (target ≤ 1.10); median per-request ratio {per_request:.3f}"
-    )
-    console.print(overhead)
-
-    if not load.latencies:
-        console.print(f"[red]no request succeeded under load: {load.errors}[/]")
-        return 1
-    rps = len(load.latencies) / load.wall_seconds
-    p50, p95, p99 = (percentile(load.latencies, q) for q in (50, 95, 99))
-    ping_p99 = percentile(load.pings, 99) if load.pings else float("nan")
-    table = Table(title=f"Load: {args.concurrency} concurrent clients on /invocations")
-    for column in (
-        "requests",
-        "errors",
-        "wall s",
-        "req/s",
-        "p50 s",
-        "p95 s",
-        "p99 s",
-        "/ping p99 s",
-        "/ping max s",
+    with (
+        run_local_server(env) as server,
+        httpx.Client(base_url=server.base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client,
     ):
-        table.add_column(column, justify="right")
-    table.add_row(
-        str(len(load.latencies)),
-        str(sum(load.errors.values())) + (f" {load.errors}" if load.errors else ""),
-        f"{load.wall_seconds:.2f}",
-        f"{rps:.3f}",
-        f"{p50:.3f}",
-        f"{p95:.3f}",
-        f"{p99:.3f}",
-        f"{ping_p99:.4f}",
-        f"{max(load.pings):.4f}" if load.pings else "-",
-    )
-    console.print(table)
-    if load.ping_failures:
-        console.print(f"[red]{load.ping_failures} /ping probes failed[/]")
+        engine = DecisionEngine.load(settings)
+        overhead_cases = spread(cases, args.overhead_cases)
+        measure_overhead(client, engine, overhead_cases[:1])  # warm-up, both paths
+        engine_times, http_times = measure_overhead(client, engine, overhead_cases)
+        engine.close()
+
+        levels: list[Level] = []
+        for clients in levels_wanted:
+            console.print(f"[dim]{clients} client(s)…[/]")
+            levels.append(
+                measured_level(server.base_url, "/invocations", bodies, clients, args.ping_interval)
+            )
+        console.print("[dim]batch route…[/]")
+        batch = measure_batch(server.base_url, same_questions_group(cases, args.batch_states))
+
+    http_vs_engine = print_overhead(console, engine_times, http_times)
+    serial = levels[0]
+    serial_answers = serial.answers()
+    print_sweep(console, levels, serial_answers)
+    print_batch(console, batch)
+    pings = [p for level in levels for p in level.pings]
+    ping_failures = sum(level.ping_failures for level in levels)
+    if ping_failures:
+        console.print(f"[red]{ping_failures} /ping probes failed[/]")
+    failed = any(level.errors for level in (*levels, batch.batch, batch.sequential, batch.concurrent))
+    if failed:
+        console.print("[red]some requests failed (see the errors columns)[/]")
+
     print(
-        f"http_vs_engine={ratio:.3f} rps={rps:.3f} p50={p50:.3f} p95={p95:.3f} p99={p99:.3f} "
-        f"ping_p99={ping_p99:.4f}"
+        key_values(
+            (
+                ("http_vs_engine", f"{http_vs_engine:.3f}"),
+                ("ping_p99", f"{percentile(pings, 99):.4f}"),
+            )
+        )
     )
-    return 0 if not load.errors and not load.ping_failures else 1
+    print(
+        key_values(
+            (
+                ("batch_vs_separate", ratio(batch.sequential.wall_seconds, batch.batch.wall_seconds)),
+                ("batch_vs_concurrent", ratio(batch.concurrent.wall_seconds, batch.batch.wall_seconds)),
+                ("batch_max_dp", f"{batch.max_dp(batch.sequential):.4f}"),
+            )
+        )
+    )
+    for level in levels:
+        print(concurrency_line(level, serial, serial_answers))
+    return 1 if failed or ping_failures else 0
 
 
 if __name__ == "__main__":

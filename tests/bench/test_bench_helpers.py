@@ -1,0 +1,199 @@
+"""The benchmarks' pure helpers: answer comparison, workload picking, counters, the last lines."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import httpx
+import pytest
+from rich.console import Console
+
+from tools.bench.common import (
+    answer_distribution,
+    argmax_agreement,
+    distributions,
+    key_values,
+    max_abs_delta,
+    ratio,
+    same_questions_group,
+    spread,
+)
+from tools.bench.engine import Timed, last_line, many_options_body, options_run, report
+from tools.bench.server import Level, Outcome, concurrency_line, counter_delta, engine_counters, error_code
+
+RESPONSE = {
+    "answers": {
+        "urgent": {"type": "noul", "noul": 0.75},
+        "team": {"type": "choice", "choice": "b", "probabilities": {"a": 0.2, "b": 0.8}, "confidence": 0.6},
+    }
+}
+
+
+def test_answers_become_distributions_in_option_order():
+    assert answer_distribution(RESPONSE["answers"]["urgent"]) == [0.75, 0.25]
+    assert distributions(RESPONSE) == {"urgent": [0.75, 0.25], "team": [0.2, 0.8]}
+
+
+def test_max_abs_delta_and_argmax_agreement():
+    a = {"q": [0.6, 0.4], "r": [0.1, 0.2, 0.7]}
+    b = {"q": [0.4, 0.6], "r": [0.1, 0.25, 0.65]}
+    assert max_abs_delta(a, b) == pytest.approx(0.2)
+    assert max_abs_delta(a, a) == 0.0
+    assert argmax_agreement(a, b) == (1, 2)
+    with pytest.raises(ValueError, match="different questions"):
+        max_abs_delta(a, {"q": [0.5, 0.5]})
+    with pytest.raises(ValueError, match="options"):
+        max_abs_delta({"q": [1.0]}, {"q": [0.5, 0.5]})
+
+
+def test_workload_picking_is_deterministic():
+    cases = [{"id": str(i), "questions": {"k": i % 3}} for i in range(12)]
+    assert [c["id"] for c in spread(cases, 4)] == ["0", "3", "6", "9"]
+    assert [c["id"] for c in spread(cases, 100)] == [str(i) for i in range(12)]
+    group = same_questions_group(cases, 2)
+    assert [c["id"] for c in group] == ["0", "3"]
+
+
+def test_ratio_and_key_values():
+    assert ratio(3, 2) == 1.5
+    assert math.isnan(ratio(1, 0)) and math.isnan(ratio(math.nan, 1))
+    assert key_values([("a", 1.234), ("b", math.nan), ("c", "x")]) == "a=1.23 b=nan c=x"
+    assert key_values([("d", 0.5)], digits=4) == "d=0.5000"
+
+
+def test_many_options_body_has_distinct_options():
+    body = many_options_body({"state": "s"}, 255)
+    criteria = body["questions"]["queue"]["criteria"]
+    assert len(criteria) == 255 and len(set(criteria.values())) == 255
+
+
+METRICS = """# HELP decider_engine_decodes_total llama_decode calls.
+# TYPE decider_engine_decodes_total counter
+decider_engine_decodes_total 12.0
+# TYPE decider_engine_decode_rows histogram
+decider_engine_decode_rows_bucket{le="1.0"} 2.0
+decider_engine_decode_rows_bucket{le="+Inf"} 12.0
+decider_engine_decode_rows_sum 60.0
+decider_engine_decode_rows_count 12.0
+decider_http_requests_total{route="/ping",status="200"} 4.0
+"""
+
+
+def test_engine_counters_from_metrics_text():
+    counters = engine_counters(METRICS)
+    assert counters["decider_engine_decodes_total"] == 12.0
+    assert counters["decider_engine_decode_rows_sum"] == 60.0
+    assert counters["decider_engine_decode_tokens_sum"] == 0.0  # absent series
+    zero = engine_counters("")
+    assert counter_delta(zero, counters)["decider_engine_decode_rows_count"] == 12.0
+
+
+def _level(clients: int, seconds: list[float], noul: list[float], decodes: float, wall: float) -> Level:
+    outcomes = [
+        Outcome(i, s, 200, {"answers": {"q": {"noul": p}}})
+        for i, (s, p) in enumerate(zip(seconds, noul, strict=True))
+    ]
+    return Level(clients, outcomes, wall, counters={"decider_engine_decodes_total": decodes})
+
+
+def test_concurrency_line_ratios_against_one_client():
+    serial = _level(1, [1.0, 1.0, 2.0], [0.5, 0.6, 0.7], decodes=6, wall=4.0)
+    loaded = _level(8, [3.0, 4.0, 5.0], [0.5, 0.6, 0.72], decodes=3, wall=4.0)
+    line = concurrency_line(loaded, serial, serial.answers())
+    assert line == (
+        "concurrency=8 decodes_per_request_ratio=0.50 throughput_ratio=1.00 p95_over_p50_1=4.90 "
+        "max_dp_vs_serial=0.0200"
+    )
+    loaded.outcomes.append(Outcome(3, 60.0, "503 deadline_unreachable"))
+    assert loaded.errors == {"503 deadline_unreachable": 1} and len(loaded.latencies) == 3
+    assert loaded.decodes_per_request == 1.0  # per answered request
+
+
+def test_engine_last_line_has_every_key():
+    workload = dict.fromkeys(
+        ("shared_vs_fresh", "ideal", "engine_vs_limit", "decision_vs_generation", "invariant_cost"), 1.0
+    )
+    results = {
+        "W1": workload,
+        "W2": workload,
+        "options_128": {"seconds": 4.0},
+        "options_255": {"seconds": 9.0},
+        "prompt": {"v2_vs_v1": 1.6, "v2_vs_v1_tokens": 1.7, "v1_max_dp": 0.0, "v2_max_dp": 0.001},
+    }
+    line = last_line(results)
+    assert line.startswith("W1 shared_vs_fresh=1.00 ")
+    for key in (
+        "options_128_seconds=4.00",
+        "options_255_seconds=9.00",
+        "v2_vs_v1=1.60",
+        "v2_vs_v1_tokens=1.70",
+        "v2_max_dp_shared_fresh=0.0010",
+        "v1_max_dp_shared_fresh=0.0000",
+        "W2 shared_vs_fresh=1.00",
+    ):
+        assert key in line
+
+
+def test_error_code_from_the_error_body_or_the_reason():
+    body = {"error": {"type": "server_error", "code": "deadline_unreachable", "message": "m", "param": None}}
+    assert error_code(httpx.Response(503, json=body)) == "deadline_unreachable"
+    assert error_code(httpx.Response(502, text="<html>bad gateway</html>")) == "Bad Gateway"
+
+
+class _Settings:
+    invariant_batches = True
+    deadline_seconds = 55.0
+
+
+def _timed(seconds: float, questions: int, tokens: int, answers: dict) -> Timed:
+    return Timed(seconds=seconds, questions=questions, tokens=tokens, answers=answers)
+
+
+def test_engine_report_from_synthetic_runs():
+    answers = {"case": {"q": [0.6, 0.4], "r": [0.1, 0.9]}}
+    shifted = {"case": {"q": [0.55, 0.45], "r": [0.1, 0.9]}}
+    workload = {
+        "fresh": _timed(10.0, 2, 600, answers),
+        "shared": _timed(4.0, 2, 300, answers),
+        "raw": _timed(4.0, 0, 300, {}),
+        "text": _timed(12.0, 2, 0, {}),
+        "fresh_all": _timed(0.0, 0, 600, {}),
+    }
+    runs = {
+        "W1": {
+            **workload,
+            "v2_shared": _timed(2.0, 2, 150, shifted),
+            "v2_fresh": _timed(8.0, 2, 450, shifted),
+        },
+        "W2": dict(workload),
+    }
+    throughput = {
+        name: {"shared": _timed(2.0, 2, 300, shifted), "raw": _timed(2.0, 0, 300, {})} for name in runs
+    }
+    options = [
+        {"options": 128, "seconds": 20.0, "tokens": 2000, "readout": "single", "decodes": 2, "top_p": 0.3,
+         "sum_p": 1.0, "throughput_seconds": 10.0, "v2_tokens": 1000},
+        {"options": 255, "seconds": math.nan, "tokens": 0, "readout": "unsupported (max 64)", "decodes": 0,
+         "top_p": math.nan, "sum_p": math.nan},
+    ]  # fmt: skip
+    console = Console(file=io.StringIO(), width=200)
+    results = report(console, runs, throughput, options, _Settings())
+    assert results["W1"]["shared_vs_fresh"] == pytest.approx(2.5)
+    assert results["W1"]["ideal"] == 2.0 and results["W1"]["engine_vs_limit"] == 1.0
+    assert results["W1"]["invariant_cost"] == 2.0
+    assert results["W1"]["invariant_vs_throughput_max_dp"] == pytest.approx(0.05)
+    assert results["prompt"]["v2_vs_v1"] == 2.0 and results["prompt"]["v2_max_dp"] == 0.0
+    assert results["options_128"]["invariant_cost"] == 2.0
+    line = last_line(results)
+    assert "options_255_seconds=nan" in line and "invariant_cost=2.00" in line
+    on_gpu = report(Console(file=io.StringIO()), runs, None, options, _Settings())
+    assert math.isnan(on_gpu["W2"]["invariant_cost"])
+
+
+def test_many_options_beyond_the_model_labels_are_not_run():
+    class Engine:
+        max_options = 64
+
+    row = options_run(Engine(), {"state": "s"}, 128, repeats=1)  # type: ignore[arg-type]
+    assert row["tokens"] == 0 and math.isnan(row["seconds"]) and row["readout"].startswith("unsupported")
