@@ -140,6 +140,27 @@ def test_a_chat_gets_a_token_in_every_decode_while_decisions_run() -> None:
     scheduler.close()
 
 
+def test_starts_are_first_come_first_served_so_a_large_request_is_not_overtaken() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, n_ctx=2000)
+    scheduler = _scheduler(engine)
+    small, big = _work(engine), _work(engine, {**DECISION, "state": "long " * 250})
+    assert small.plan.cost_tokens + big.plan.cost_tokens > 2000 and not big.exclusive  # fits alone only
+    jobs = [_job(), _job(), _job()]
+    first = scheduler.submit(jobs[0], small)  # holds memory, gated in its first decode
+    deadline = time.monotonic() + 5
+    while not engine.calls and time.monotonic() < deadline:
+        time.sleep(0.005)
+    waiting = scheduler.submit(jobs[1], big)  # does not fit beside the first
+    later = scheduler.submit(jobs[2], _work(engine))  # would fit, but must not overtake
+    gate.set()
+    for future in (first, waiting, later):
+        future.result(5)
+    assert jobs[1].started_at is not None and jobs[2].started_at is not None
+    assert jobs[1].started_at <= jobs[2].started_at
+    scheduler.close()
+
+
 def test_work_completed_after_its_deadline_is_a_504_whatever_the_event_loop_does() -> None:
     """The engine decides: a result that arrives late is late (the old flaky test's race)."""
     engine = FakeEngine(decode_seconds=0.3)

@@ -398,15 +398,19 @@ class Scheduler:
         order = [r for r in self._works if r.work.kind == "chat" and r.started] + [
             r for r in self._works if not (r.work.kind == "chat" and r.started)
         ]
+        waiting_ahead = False  # starts are first come, first served: a large request is never starved
         for running in order:
             if step.tokens_left <= 0:
                 break
+            if waiting_ahead and not running.work.started:
+                continue
             started = [r for r in self._works if r.work.kind == "decision" and r.work.started]
             alone = any(r.work.exclusive for r in started)
             step.decisions_may_start = not alone or running.work.exclusive
             step.alone_possible = all(r is running for r in started)
             before = len(step.rows)
             running.work.plan_step(step)
+            waiting_ahead = waiting_ahead or not running.work.started
             if len(step.rows) > before and running.job.started_at is None:
                 running.job.started_at = now
                 self._metrics.queue_wait.labels(running.job.kind).observe(now - running.job.admitted_at)
