@@ -133,8 +133,9 @@ class _StateRun:
     def future(self) -> int:
         if not self.started or not self.open_items:
             return 0
-        if self.streaming:
-            return self.prefix_cells - self.prefilled + self.largest_item
+        if self.streaming:  # the prefix, one more branch, and what the open branch still needs
+            in_flight = sum(len(fill.tokens) - fill.planned for fill in self.filling)
+            return self.prefix_cells - self.prefilled + self.largest_item + in_flight
         return self.need - self.decoded
 
 
@@ -372,8 +373,6 @@ class DecisionWork:
         item = branch.item
         if len(item.outputs) == len(item.trie.nodes) and not any(b.item is item for b in state.branches):
             self._release(step.seqs, state, state.item_cells[id(item)], kept=not state.streaming)
-            if state.streaming:
-                step.cells_left += state.item_cells[id(item)]
             state.open_items -= 1
             if state.open_items == 0:
                 self._release(step.seqs, state, state.prefix_cells)
