@@ -1,19 +1,34 @@
-"""A scriptable stand-in for the engine, for unit tests of queueing, routing and limits only.
+"""A scriptable stand-in for the model, for unit tests of scheduling, routing and limits only.
 
-The issue's behaviour tests (tests/server/test_live_*.py) run the real server on the real model;
-this fake exists so admission control can be tested with precise, controllable timing.
+The planning, the work state machines and the scheduler are the real ones; only llama.cpp is
+faked: `FakeRuntime` "decodes" by sleeping (and honours the abort callback like llama.cpp does),
+reads flat logits, and samples a scripted chat answer. The issue's behaviour tests
+(tests/server/test_live_*.py) run the real server on the real model.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from decider.engine import GenerationEvent, GenerationUsage
-from decider.schemas.decision import ChoiceAnswer, DecisionResponse, NoulAnswer, ScoreAnswer, Usage
+import numpy as np
+from decider.engine.decisions import DecisionPlan, DecisionPlanner
+from decider.engine.labels import build_label_table
+from decider.engine.native import DecodeAbortedError, Row, RowOutput
+from decider.engine.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, ChatTemplate, PromptBuilder, PromptFrame
+from decider.engine.work import ChatPlan, DecisionWork
+from decider.errors import RequestError
+from decider.settings import Settings
+
+EOS = 2
+FIRST_TEXT_TOKEN = 100  # token 100 + i reads "t{i} "
+
+
+def chars(text: str) -> list[int]:
+    return [ord(c) for c in text]
 
 
 @dataclass
@@ -24,11 +39,11 @@ class FakeModelInfo:
     sha256: str = "0123456789ab" + "0" * 52
     quantization: str = "Q4_1"
     architecture: str = "llama"
-    n_ctx: int = 2048
-    chat_template_source: str = "gguf"
+    n_ctx: int = 65536
+    chat_template_source: str = "fallback:chatml"
     max_options: int = 64
     markers: dict[str, list[str]] = field(
-        default_factory=lambda: {"control": ["<|im_end|>"], "template": ["<think>"], "setting": []}
+        default_factory=lambda: {"control": ["<|im_end|>"], "template": [], "setting": []}
     )
 
     def model_dump(self, mode: str = "python") -> dict[str, Any]:
@@ -36,67 +51,122 @@ class FakeModelInfo:
 
 
 @dataclass
-class FakeEngine:
-    """`decide` sleeps `decide_seconds`; `generate` yields `tokens` deltas `token_seconds` apart."""
+class FakeRuntime:
+    """Each decode sleeps `decode_seconds` plus `token_seconds` per token, checking `should_abort`."""
 
-    decide_seconds: float = 0.0
+    decode_seconds: float = 0.0
     token_seconds: float = 0.0
-    tokens: int = 5
-    model_info: FakeModelInfo = field(default_factory=FakeModelInfo)
-    calls: list[str] = field(default_factory=list)
+    chat_tokens: int = 5
+    gate: threading.Event | None = None  # when set, every decode first waits for it
+    n_ctx: int = 65536
+    n_seq_max: int = 64
+    n_batch: int = 4096
+    pad_seq: int | None = None
+    calls: list[int] = field(default_factory=list)  # tokens per decode
     threads: set[str] = field(default_factory=set)
-    gate: threading.Event | None = None  # when set, decide waits for it (tests hold the worker busy)
+    _produced: dict[int, int] = field(default_factory=dict)
 
-    def _note(self, name: str) -> None:
-        self.calls.append(name)
+    def decode(self, rows: Sequence[Row], *, should_abort: Callable[[], bool] | None = None) -> None:
+        tokens = sum(len(row.tokens) for row in rows)
+        self.calls.append(tokens)
         self.threads.add(threading.current_thread().name)
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return [0] * (3 + sum(len(m["content"].split()) for m in messages))
-
-    def decide(self, request: Any, should_stop: Callable[[], bool] | None = None) -> DecisionResponse:
-        self._note("decide")
+        abort = should_abort or (lambda: False)
         if self.gate is not None:
-            self.gate.wait(10)
-        end = time.monotonic() + self.decide_seconds
+            while not self.gate.wait(0.005):
+                if abort():
+                    raise DecodeAbortedError("aborted while held")
+        end = time.monotonic() + self.decode_seconds + self.token_seconds * tokens
         while time.monotonic() < end:
-            if should_stop is not None and should_stop():
-                break
-            time.sleep(0.005)
-        answers: dict[str, Any] = {}
-        for question in request.questions:
-            keys = [option.key for option in question.options]
-            if question.type == "noul":
-                answers[question.key] = NoulAnswer(noul=0.5)
-            elif question.type == "choice":
-                probs = {key: 1.0 / len(keys) for key in keys}
-                answers[question.key] = ChoiceAnswer(choice=keys[0], probabilities=probs, confidence=0.0)
-            else:
-                probs = {key: 1.0 / len(keys) for key in keys}
-                legend = {option.key: option.description for option in question.options}
-                answers[question.key] = ScoreAnswer(
-                    score=(len(keys) - 1) / 2, legend=legend, probabilities=probs, confidence=0.0
+            if abort():
+                raise DecodeAbortedError("aborted")
+            time.sleep(min(0.005, max(0.0, end - time.monotonic())))
+        for index, row in enumerate(rows):
+            if row.output is not None:
+                spec = row.output
+                row.result = RowOutput(
+                    logits=np.zeros(len(spec.token_ids)),
+                    logsumexp=0.0 if spec.logsumexp else None,
+                    argmax=0 if spec.argmax else None,
+                    batch_index=index,
                 )
-        return DecisionResponse(model=self.model_info.id, answers=answers, usage=Usage(input_tokens=7))
 
-    def generate(self, messages: list[dict[str, str]], **kwargs: Any) -> Iterator[GenerationEvent]:
-        self._note("generate")
-        should_stop = kwargs["should_stop"]
-        produced = 0
-        for i in range(min(self.tokens, kwargs["max_tokens"])):
-            if should_stop():
-                yield GenerationEvent(
-                    finish_reason="cancelled",
-                    usage=GenerationUsage(prompt_tokens=3, completion_tokens=produced),
-                )
-                return
-            time.sleep(self.token_seconds)
-            produced += 1
-            yield GenerationEvent(text=f"t{i} ")
-        reason = "length" if kwargs["max_tokens"] <= self.tokens else "stop"
-        yield GenerationEvent(
-            finish_reason=reason, usage=GenerationUsage(prompt_tokens=3, completion_tokens=produced)
+    def seq_copy(self, src: int, dst: int) -> None:
+        pass
+
+    def seq_remove(self, seq_id: int) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def sample(self, sampler: Any, batch_index: int) -> int:
+        key = id(sampler)
+        produced = self._produced.get(key, 0)
+        self._produced[key] = produced + 1
+        return EOS if produced >= self.chat_tokens else FIRST_TEXT_TOKEN + produced
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        return f"t{token - FIRST_TEXT_TOKEN} ".encode() if token >= FIRST_TEXT_TOKEN else b""
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOS
+
+
+class FakeEngine:
+    """The real planner (a character tokenizer, the ChatML fallback template) over a FakeRuntime."""
+
+    def __init__(self, settings: Settings | None = None, **runtime: Any) -> None:
+        self.settings = settings or Settings(model_path="/nonexistent/model.gguf")
+        self.runtime = FakeRuntime(**runtime)
+        self.model_info = FakeModelInfo()
+        template = ChatTemplate(
+            source="fallback:chatml", text=FALLBACK_TEMPLATES["chatml"], bos_token="", eos_token=""
+        )
+        builder = PromptBuilder(
+            PromptFrame.from_template(template),
+            PROMPT_FORMATS["decider-options-v1"],
+            chars,
+            chars,
+            None,
+            False,
+        )
+        labels = build_label_table(builder, chars, lambda t: chr(t).encode(), self.settings.max_options)
+        self.planner = DecisionPlanner(
+            self.settings,
+            builder,
+            labels,
+            n_ctx=self.runtime.n_ctx,
+            max_token_bytes=4,
+            piece=self.runtime.piece,
+            model_id=self.model_info.id,
+        )
+        self.head_tokens: list[int] = []  # no cached head: its decode would cost decode_seconds
+
+    @property
+    def calls(self) -> list[int]:
+        return self.runtime.calls
+
+    def plan_decision(self, request: Any) -> DecisionPlan:
+        return self.planner.plan(request)
+
+    def plan_batch(self, request: Any) -> DecisionPlan:
+        return self.planner.plan_batch(request)
+
+    def decision_work(self, plan: DecisionPlan) -> DecisionWork:
+        return DecisionWork(plan, self.planner)
+
+    def chat_plan(
+        self, messages: list[dict[str, Any]], *, max_tokens: int | None, max_tokens_cap: int, **params: Any
+    ) -> ChatPlan:
+        prompt = [0, 0, 0]
+        max_tokens = max_tokens_cap if max_tokens is None else max_tokens
+        if len(prompt) + max_tokens > self.runtime.n_ctx:
+            raise RequestError("too long", code="context_length_exceeded", param="messages")
+        return ChatPlan(
+            prompt,
+            max_tokens,
+            params.get("temperature", 0.0),
+            params.get("top_p", 1.0),
+            tuple(params.get("stop") or ()),
+            params.get("seed"),
         )

@@ -132,9 +132,9 @@ def test_typesafe_sdk_sees_typed_errors(live_server: LocalServer) -> None:
         TypeSafeClient(api_key="local-test", base_url=live_server.base_url, timeout=60) as client,
         pytest.raises(typesafe_sdk.TypeSafeUnprocessableEntityError) as refused,
     ):
-        too_many = {f"option {i}": None for i in range(65)}  # DECIDER_MAX_OPTIONS defaults to 64
+        too_many = {f"option {i}": None for i in range(256)}  # Jev allows 2-255
         client.system_one(state="s", questions={"q": Choice(instructions="?", criteria=too_many)})
-    assert "65" in str(refused.value)
+    assert "256" in str(refused.value)
 
 
 def test_invocations_without_custom_attributes(live_server: LocalServer) -> None:

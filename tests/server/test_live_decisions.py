@@ -144,7 +144,7 @@ def test_openai_sdk_sees_typed_errors_it_does_not_retry(live_server: LocalServer
         )
     assert refused.value.code == "image_not_supported" and refused.value.param == "input.0.content.0"
     assert refused.value.response.headers["x-should-retry"] == "false"
-    many = [{"value": f"option {i}"} for i in range(65)]  # DECIDER_MAX_OPTIONS defaults to 64
+    many = [{"value": f"option {i}"} for i in range(256)]  # OpenAI and Jev allow 2-255
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         client.decisions.create(
             model="m", input=STATE, questions=[{"type": "choice", "instructions": "?", "choices": many}]

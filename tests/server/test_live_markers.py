@@ -16,17 +16,18 @@ import pytest
 from decider.engine import DecisionEngine
 from decider.engine.generation import chat_tokens
 from decider.engine.markers import CallerText
-from decider.engine.prompt import FALLBACK_TEMPLATES, ChatTemplate
-from decider.schemas.decision import NOUL_FALSE_DEFAULT, NOUL_TRUE_DEFAULT
+from decider.engine.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, PROMPT_V1, ChatTemplate
 from decider.settings import Settings
 
 from tools.local_server import LocalServer, run_local_server
+
+V1 = PROMPT_FORMATS[PROMPT_V1]
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 GEMMA_ENV = {
     "DECIDER_N_THREADS": "1",
     "DECIDER_N_CTX": "1024",
-    "DECIDER_N_SEQ_MAX": "4",
+    "DECIDER_N_SEQ_MAX": "6",
     "DECIDER_MAX_STATE_TOKENS": "512",
     "DECIDER_MARKER_TOKENS": json.dumps(["<start_of_image>"]),
 }
@@ -45,7 +46,7 @@ def gemma_engine(gemma3_path) -> Iterator[Any]:
     settings = Settings(
         model_path=gemma3_path,
         n_ctx=1024,
-        n_seq_max=4,
+        n_seq_max=6,
         max_state_tokens=512,
         marker_tokens=["<start_of_image>"],
         n_threads=1,
@@ -83,7 +84,7 @@ def test_decision_prompt_holds_the_marker_as_plain_text(gemma_server: LocalServe
     }
     answer = httpx.post(f"{gemma_server.base_url}/v1/systemone", json=body, timeout=60).json()["answers"]["q"]
     _, tokens = gemma_engine.render_prompt(
-        TEXT, "Is there a photo?", [("A", NOUL_TRUE_DEFAULT), ("B", NOUL_FALSE_DEFAULT)]
+        TEXT, "Is there a photo?", [("A", V1.noul_true), ("B", V1.noul_false)]
     )
     assert 255999 not in tokens
     assert answer["extensions"]["input_tokens"] == len(tokens)

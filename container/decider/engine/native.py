@@ -120,10 +120,11 @@ class LlamaRuntime:
         ctx_params.n_threads = config.n_threads
         ctx_params.n_threads_batch = config.n_threads
         ctx_params.kv_unified = True
-        # Fan-out copies one prefix into many sequences that all attend to it. A sliding-window cache
-        # sized for the window (swa_full off) evicts prefix cells a sibling branch still needs and
-        # cannot hold n_seq_max branches; the full-size cache keeps every cell until its sequence is
-        # removed, at the cost of n_ctx cells for the SWA layers too.
+        # Sliding-window models keep two caches. Fan-out puts a state's prefix, every branch tail
+        # and every running request in ONE budget of n_ctx cells (the scheduler's), and memory
+        # epochs keep cells past any window until the epoch ends; a window-sized SWA cache (swa_full
+        # off: about n_swa x n_seq_max cells) could find no slot for a decode the budget allows.
+        # With the full-size cache both caches hold the same cells, so one budget is true for both.
         ctx_params.swa_full = True
         # True = "auto": llama.cpp enables flash attention where the backend supports it.
         ctx_params.flash_attn_type = (

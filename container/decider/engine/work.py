@@ -109,6 +109,7 @@ class _StateRun:
     pending: deque[Item]
     open_items: int
     item_cells: dict[int, int]  # id(item) -> cells its branches take (tail + label positions)
+    prefix_cells: int  # the shared prefix's cells (0 in fresh mode: every branch holds its whole prompt)
     seq: int | None = None  # the prefix sequence, while branches are still to be copied from it
     started: bool = False
     streaming: bool = False  # too large for one epoch: branches are freed as they finish
@@ -122,7 +123,7 @@ class _StateRun:
     @property
     def need(self) -> int:
         """Cells of the whole state: its prefix and every branch and label position."""
-        return len(self.plan.prefix) + sum(self.item_cells.values())
+        return self.prefix_cells + sum(self.item_cells.values())
 
     @property
     def largest_item(self) -> int:
@@ -132,8 +133,9 @@ class _StateRun:
     def future(self) -> int:
         if not self.started or not self.open_items:
             return 0
-        if self.streaming:
-            return len(self.plan.prefix) - self.prefilled + self.largest_item
+        if self.streaming:  # the prefix, one more branch, and what the open branch still needs
+            in_flight = sum(len(fill.tokens) - fill.planned for fill in self.filling)
+            return self.prefix_cells - self.prefilled + self.largest_item + in_flight
         return self.need - self.decoded
 
 
@@ -146,12 +148,13 @@ class DecisionWork:
         self.plan = plan
         self.planner = planner
         self.head = list(planner.builder.head_tokens)
-        whole = len(self.head) if plan.mode == "fresh" else 0
+        fresh = plan.mode == "fresh"
         self.states = []
         for state in plan.states:
-            before = whole + (len(state.prefix) if plan.mode == "fresh" else 0)
+            before = len(self.head) + len(state.prefix) if fresh else 0  # prompt tokens in each branch
             cells = {id(item): before + len(item.tokens) + len(item.trie.nodes) - 1 for item in state.items}
-            self.states.append(_StateRun(state, deque(state.items), len(state.items), cells))
+            prefix_cells = 0 if fresh else len(state.prefix)
+            self.states.append(_StateRun(state, deque(state.items), len(state.items), cells, prefix_cells))
         capacity = planner.n_ctx - len(self.head) - 1
         for run in self.states:
             run.streaming = bool(run.item_cells) and run.need > capacity
@@ -233,7 +236,7 @@ class DecisionWork:
         if state.streaming:
             if not step.alone_possible:
                 return False
-            reserve = len(state.plan.prefix) + state.largest_item
+            reserve = state.prefix_cells + state.largest_item
         else:
             if not step.decisions_may_start:
                 return False
@@ -370,11 +373,9 @@ class DecisionWork:
         item = branch.item
         if len(item.outputs) == len(item.trie.nodes) and not any(b.item is item for b in state.branches):
             self._release(step.seqs, state, state.item_cells[id(item)], kept=not state.streaming)
-            if state.streaming:
-                step.cells_left += state.item_cells[id(item)]
             state.open_items -= 1
             if state.open_items == 0:
-                self._release(step.seqs, state, len(state.plan.prefix) if self.plan.mode == "shared" else 0)
+                self._release(step.seqs, state, state.prefix_cells)
 
     @staticmethod
     def _release(seqs: SeqPool, state: _StateRun, cells: int, *, kept: bool = True) -> None:

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -204,8 +204,8 @@ class Scheduler:
         else:
             self._seqs = SeqPool(n, (HEAD_SEQ, backend.pad_seq), graveyards=(n - 2, n - 3))
         self._head = list(head_tokens)
-        self._head_ready = False
         self._backend = backend
+        self._decode_head(backend)  # before /ping turns 200: the first request does not pay for it
 
     # --- admission (event loop) ----------------------------------------------------------------
     @property
@@ -277,25 +277,33 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 self._admitted.discard(job)
-                future.set_exception(shutting_down())
+                _resolve(future, error=shutting_down())
                 return future
             self._works.append(_Running(job, work, future))
             self._cond.notify()
         return future
 
     async def run(self, job: Job, work: Work) -> Any:
-        """Run `work` and wait for it, at most until the job's deadline."""
-        future = self.submit(job, work)
+        """Run `work` and wait for it, at most until the job's deadline.
+
+        The engine decides whether the work finished in time; this side only stops waiting. So a
+        result that the engine completed in time is answered even when this loop is late to see it.
+        """
+        return await self.wait(job, self.submit(job, work))
+
+    async def wait(self, job: Job, future: Future[Any]) -> Any:
+        """Wait for a submitted job's outcome, at most until its deadline (see `run`)."""
+        waiter = asyncio.wrap_future(future)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout=job.remaining() + 0.05)
-        except TimeoutError:
-            job.cancel()
-            if future.done() and future.exception() is None:
-                return future.result()  # completed in time, by the engine's clock
-            raise deadline_error(job, self.deadline_seconds) from None
+            done, _ = await asyncio.wait({waiter}, timeout=job.remaining() + 0.05)  # never cancels it
         except asyncio.CancelledError:
             job.cancel()
             raise
+        if not done:
+            job.cancel()
+            if not (future.done() and future.exception() is None):
+                raise deadline_error(job, self.deadline_seconds)
+        return future.result()
 
     def close(self) -> None:
         """Refuse new work, stop what is left (abort the decode in flight) and end the engine thread."""
@@ -390,15 +398,19 @@ class Scheduler:
         order = [r for r in self._works if r.work.kind == "chat" and r.started] + [
             r for r in self._works if not (r.work.kind == "chat" and r.started)
         ]
+        waiting_ahead = False  # starts are first come, first served: a large request is never starved
         for running in order:
             if step.tokens_left <= 0:
                 break
+            if waiting_ahead and not running.work.started:
+                continue
             started = [r for r in self._works if r.work.kind == "decision" and r.work.started]
             alone = any(r.work.exclusive for r in started)
             step.decisions_may_start = not alone or running.work.exclusive
             step.alone_possible = all(r is running for r in started)
             before = len(step.rows)
             running.work.plan_step(step)
+            waiting_ahead = waiting_ahead or not running.work.started
             if len(step.rows) > before and running.job.started_at is None:
                 running.job.started_at = now
                 self._metrics.queue_wait.labels(running.job.kind).observe(now - running.job.admitted_at)
@@ -413,14 +425,14 @@ class Scheduler:
             return self._hard_stop or all(job.should_stop() for job in jobs)
 
         started = time.monotonic()
-        self._decode_split(backend, step.rows, should_abort)
+        completed = self._decode_split(backend, step.rows, should_abort)
         elapsed = time.monotonic() - started
         tokens = step.token_count
         self.decodes += 1
         self._metrics.decodes.inc()
         self._metrics.decode_rows.observe(len(step.rows))
         self._metrics.decode_tokens.observe(tokens)
-        if tokens >= MIN_TIMED_TOKENS:
+        if completed and tokens >= MIN_TIMED_TOKENS:  # an aborted decode says nothing of the rate
             rate = elapsed / tokens
             self._recent_rates.append(rate)
             previous = self.seconds_per_token
@@ -430,8 +442,9 @@ class Scheduler:
 
     def _decode_split(
         self, backend: Backend, rows: list[PlannedRow], should_abort: Callable[[], bool]
-    ) -> None:
-        """Decode `rows`; when no memory slot is free for all of them, halve and retry each half."""
+    ) -> bool:
+        """Decode `rows`; when no memory slot is free for all of them, halve and retry each half.
+        False when a decode was aborted or a row could not be placed."""
         try:
             backend.decode([planned.row for planned in rows], should_abort=should_abort)
         except KvCacheFullError:
@@ -444,13 +457,12 @@ class Scheduler:
                         headers={"Retry-After": "1"},
                     ),
                 )
-                return
+                return False
             half = len(rows) // 2
-            self._decode_split(backend, rows[:half], should_abort)
-            self._decode_split(backend, rows[half:], should_abort)
-            return
+            first = self._decode_split(backend, rows[:half], should_abort)
+            return self._decode_split(backend, rows[half:], should_abort) and first
         except DecodeAbortedError:
-            return  # every work in it is stopping; `_reap` releases them
+            return False  # every work in it is stopping; `_reap` releases them
         seqs = self._seqs
         assert seqs is not None
         if seqs.epochs:  # before any on_done can remove a sequence
@@ -462,6 +474,7 @@ class Scheduler:
                 continue
             running.decoded += len(planned.row.tokens)
             planned.on_done(planned.row)
+        return True
 
     def _job_of(self, work: Work) -> Job:
         running = self._running_of(work)
@@ -503,15 +516,15 @@ class Scheduler:
                     "total_seconds": now - job.admitted_at,
                 }
             if now > job.deadline:  # decided here, on the engine's clock: late is late
-                running.future.set_exception(deadline_error(job, self.deadline_seconds))
+                _resolve(running.future, error=deadline_error(job, self.deadline_seconds))
                 continue
             try:
                 outcome = running.work.outcome()
             except Exception as exc:  # an answer that cannot be assembled fails alone
                 log.exception("request %s: assembling the answer failed", job.request_id)
-                running.future.set_exception(exc)
+                _resolve(running.future, error=exc)
             else:
-                running.future.set_result(outcome)
+                _resolve(running.future, outcome)
 
     def _unblock(self) -> None:
         """No row fits although works are waiting: if nothing holds memory, the first can never run.
@@ -556,8 +569,7 @@ class Scheduler:
                 running.work.abandon(self._backend, self._seqs)
             except NativeError:
                 log.exception("releasing request %s's sequences failed", running.job.request_id)
-        if not running.future.done():
-            running.future.set_exception(error)
+        _resolve(running.future, error=error)
 
     def _reset(self, backend: Backend, exc: NativeError) -> None:
         error = DeciderError(f"the model failed to evaluate the prompt: {exc}", code="backend_failed")
@@ -568,8 +580,7 @@ class Scheduler:
             self._update_gauges_locked()
         for running in failed:
             running.job.cancel()
-            if not running.future.done():
-                running.future.set_exception(error)
+            _resolve(running.future, error=error)
         backend.clear()
         assert self._seqs is not None
         self._seqs.reset()
@@ -585,6 +596,15 @@ def _run_into(fn: Callable[[], Any], future: Future[Any]) -> None:
     try:
         result = fn()
     except BaseException as exc:
-        future.set_exception(exc)
+        _resolve(future, error=exc)
     else:
-        future.set_result(result)
+        _resolve(future, result)
+
+
+def _resolve(future: Future[Any], result: Any = None, *, error: BaseException | None = None) -> None:
+    """Settle a future once; one already settled (or cancelled by its waiter) is left alone."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)

@@ -1,0 +1,326 @@
+"""The scheduler in isolation: admission, cross-request batching, deadlines, cancellation, failures.
+
+The works and their planning are real; the model is `FakeRuntime` (decodes by sleeping, honours
+the abort callback). Timing assertions are loose upper bounds; every ordering the tests rely on
+is forced with gates, never left to sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+from decider.engine.native import KvCacheFullError, NativeError, Row
+from decider.engine.work import ChatWork
+from decider.errors import (
+    DeadlineExceededError,
+    DeciderError,
+    OverloadedError,
+    RequestExceedsDeadlineError,
+    UnavailableError,
+)
+from decider.schemas.decision import parse_decision_request
+from decider.server.metrics import ServerMetrics
+from decider.server.scheduler import Job, Scheduler
+from server_fakes import FakeEngine, FakeRuntime
+
+DECISION = {
+    "state": "I was charged twice for one order.",
+    "questions": {
+        "billing": {"type": "noul", "instructions": "Is this about billing?"},
+        "tone": {"type": "choice", "instructions": "Tone?", "criteria": {"calm": None, "angry": "Upset"}},
+    },
+}
+
+
+def _scheduler(engine: FakeEngine, queue_size: int = 8, deadline: float = 5.0) -> Scheduler:
+    scheduler = Scheduler(queue_size=queue_size, deadline_seconds=deadline, metrics=ServerMetrics())
+    scheduler.submit_unscheduled(lambda: scheduler.attach(engine.runtime, engine.head_tokens)).result(5)
+    return scheduler
+
+
+def _work(engine: FakeEngine, body: dict[str, Any] = DECISION) -> Any:
+    return engine.decision_work(engine.plan_decision(parse_decision_request(body)))
+
+
+def _job(deadline: float = 60.0, kind: str = "decision") -> Job:
+    now = time.monotonic()
+    return Job(kind, uuid.uuid4().hex, now + deadline, now)
+
+
+def test_queue_full_is_refused_at_once_with_retry_after() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    scheduler = _scheduler(engine, queue_size=1)
+    running = scheduler.submit(scheduler.admit("decision", "a"), _work(engine))
+    deadline = time.monotonic() + 5
+    while not engine.calls and time.monotonic() < deadline:  # "a" is in its first decode
+        time.sleep(0.005)
+    queued = scheduler.submit(scheduler.admit("decision", "b"), _work(engine))
+    started = time.monotonic()
+    with pytest.raises(OverloadedError) as refused:
+        scheduler.admit("decision", "c")
+    assert time.monotonic() - started < 0.1
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert int(refused.value.headers["Retry-After"]) >= 1
+    gate.set()
+    running.result(5), queued.result(5)
+    scheduler.admit("decision", "d")  # room again
+    scheduler.close()
+
+
+def test_queue_size_zero_allows_only_what_is_running() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    scheduler = _scheduler(engine, queue_size=0)
+    running = scheduler.submit(scheduler.admit("decision", "a"), _work(engine))
+    with pytest.raises(OverloadedError):
+        scheduler.admit("decision", "b")
+    gate.set()
+    running.result(5)
+    scheduler.close()
+
+
+def test_several_requests_share_each_decode() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    scheduler = _scheduler(engine)
+    blocker = scheduler.submit(_job(), _work(engine))  # holds the engine while the others arrive
+    futures = [scheduler.submit(_job(), _work(engine)) for _ in range(4)]
+    gate.set()
+    blocker.result(5)
+    answers = [future.result(5) for future in futures]
+    alone = FakeEngine()
+    serial_scheduler = _scheduler(alone)
+    serial = serial_scheduler.submit(_job(), _work(alone)).result(5)
+    assert all(answer.to_wire() == serial.to_wire() for answer in answers)
+    # Alone a request takes its prefill and its branches (2 decodes); four together share them.
+    assert len(alone.calls) == 2 and len(engine.calls) < 1 + 2 * 4
+    scheduler.close()
+    serial_scheduler.close()
+
+
+def test_every_decode_runs_on_the_one_engine_thread() -> None:
+    engine = FakeEngine()
+    scheduler = _scheduler(engine)
+    for future in [scheduler.submit(_job(), _work(engine)) for _ in range(3)]:
+        future.result(5)
+    assert engine.runtime.threads == {"engine"}
+    scheduler.close()
+
+
+def test_a_chat_gets_a_token_in_every_decode_while_decisions_run() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, chat_tokens=6)
+    scheduler = _scheduler(engine)
+    rows_per_decode: list[list[int]] = []
+    decode = engine.runtime.decode
+
+    def spying(rows: list[Row], **kwargs: Any) -> None:
+        rows_per_decode.append([row.seq_id for row in rows])
+        decode(rows, **kwargs)
+
+    engine.runtime.decode = spying  # type: ignore[method-assign]
+    chat = ChatWork(engine.chat_plan([{"role": "user", "content": "hi"}], max_tokens=6, max_tokens_cap=6))
+    chat_future = scheduler.submit(_job(kind="chat"), chat)
+    decisions = [scheduler.submit(_job(), _work(engine)) for _ in range(3)]
+    gate.set()
+    text, finish, usage = chat_future.result(5)
+    assert (text, finish, usage.completion_tokens) == ("t0 t1 t2 t3 t4 t5 ", "length", 6)
+    for future in decisions:
+        future.result(5)
+    chat_seq = rows_per_decode[0][0]
+    with_chat = [seqs for seqs in rows_per_decode if chat_seq in seqs]
+    assert len(with_chat) == 6  # the prompt (its logits give token 1), then tokens 1-5 one per decode
+    assert any(len(seqs) > 1 for seqs in with_chat)  # ... in decodes shared with the decisions
+    scheduler.close()
+
+
+def test_starts_are_first_come_first_served_so_a_large_request_is_not_overtaken() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, n_ctx=2000)
+    scheduler = _scheduler(engine)
+    small, big = _work(engine), _work(engine, {**DECISION, "state": "long " * 250})
+    assert small.plan.cost_tokens + big.plan.cost_tokens > 2000 and not big.exclusive  # fits alone only
+    jobs = [_job(), _job(), _job()]
+    first = scheduler.submit(jobs[0], small)  # holds memory, gated in its first decode
+    deadline = time.monotonic() + 5
+    while not engine.calls and time.monotonic() < deadline:
+        time.sleep(0.005)
+    waiting = scheduler.submit(jobs[1], big)  # does not fit beside the first
+    later = scheduler.submit(jobs[2], _work(engine))  # would fit, but must not overtake
+    gate.set()
+    for future in (first, waiting, later):
+        future.result(5)
+    assert jobs[1].started_at is not None and jobs[2].started_at is not None
+    assert jobs[1].started_at <= jobs[2].started_at
+    scheduler.close()
+
+
+def test_work_completed_after_its_deadline_is_a_504_whatever_the_event_loop_does() -> None:
+    """The engine decides: a result that arrives late is late (the old flaky test's race)."""
+    engine = FakeEngine(decode_seconds=0.3)
+    engine.runtime.decode = _ignoring_abort(engine.runtime)  # type: ignore[method-assign]
+    scheduler = _scheduler(engine)
+    future = scheduler.submit(_job(deadline=0.1), _work(engine))
+    assert isinstance(future.exception(5), DeadlineExceededError)
+    scheduler.close()
+
+
+def test_work_completed_in_time_is_answered_even_when_the_event_loop_looks_late() -> None:
+    engine = FakeEngine(decode_seconds=0.05)
+    scheduler = _scheduler(engine)
+
+    async def scenario() -> Any:
+        job = _job(deadline=0.5)
+        future = scheduler.submit(job, _work(engine))
+        future.result(5)
+        time.sleep(0.6)  # the loop is blocked past the deadline; the work was done long before
+        return await scheduler.wait(job, future)
+
+    assert asyncio.run(scenario()).answers
+    scheduler.close()
+
+
+def test_running_work_past_its_deadline_is_aborted_inside_the_decode() -> None:
+    engine = FakeEngine(decode_seconds=30)
+    scheduler = _scheduler(engine)
+
+    async def scenario() -> None:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as late:
+            await scheduler.run(scheduler.admit("decision", "a"), _work(engine))
+        assert late.value.status == 504 and "while the model was working" in late.value.message
+        assert time.monotonic() - started < 1.5
+
+    scheduler.deadline_seconds = 0.3
+    asyncio.run(scenario())
+    engine.runtime.decode_seconds = 0
+    assert scheduler.submit(_job(), _work(engine)).result(5).answers  # the engine is free again
+    scheduler.close()
+
+
+def test_queued_work_past_its_deadline_never_runs() -> None:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    scheduler = _scheduler(engine, queue_size=4)
+    first = scheduler.submit(_job(deadline=10), _work(engine))
+    deadline = time.monotonic() + 5
+    while not engine.calls and time.monotonic() < deadline:
+        time.sleep(0.005)
+    decodes = len(engine.calls)
+
+    async def wait_in_the_queue() -> None:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as late:
+            await scheduler.run(_job(deadline=0.2), _work(engine))
+        assert "waiting for the model" in late.value.message and time.monotonic() - started < 1.0
+
+    asyncio.run(wait_in_the_queue())
+    gate.set()
+    first.result(5)
+    assert len(engine.calls) == decodes + 1  # only the first request's branches were decoded after
+    scheduler.close()
+
+
+def test_a_cancelled_request_stops_and_its_neighbour_finishes() -> None:
+    engine = FakeEngine(decode_seconds=0.2)
+    scheduler = _scheduler(engine)
+    gone_job = _job()
+    gone = scheduler.submit(gone_job, _work(engine))
+    kept = scheduler.submit(_job(), _work(engine))
+    gone_job.cancel()
+    assert kept.result(5).answers
+    assert gone.exception(5) is not None
+    scheduler.close()
+
+
+def test_a_full_memory_halves_the_decode_and_one_unplaceable_row_fails_alone() -> None:
+    engine = FakeEngine()
+    decode = engine.runtime.decode
+
+    def small_memory(rows: list[Row], **kwargs: Any) -> None:
+        if sum(len(row.tokens) for row in rows) > 1200 and len(rows) > 1:
+            raise KvCacheFullError("no slot")  # several rows at once never fit: halve
+        if any(ord("§") in row.tokens for row in rows):
+            raise KvCacheFullError("no slot")  # this request's prefix never fits
+        decode(rows, **kwargs)
+
+    engine.runtime.decode = small_memory  # type: ignore[method-assign]
+    scheduler = _scheduler(engine)
+    huge = {"state": "§ cannot be placed", "questions": {"q": {"type": "noul"}}}
+    ok = [scheduler.submit(_job(), _work(engine)) for _ in range(3)]
+    bad = scheduler.submit(_job(), _work(engine, huge))
+    assert all(future.result(5).answers for future in ok)
+    error = bad.exception(5)
+    assert isinstance(error, UnavailableError) and error.code == "kv_cache_full" and error.retryable
+    scheduler.close()
+
+
+def test_a_backend_failure_fails_the_running_requests_and_the_server_recovers() -> None:
+    engine = FakeEngine()
+    decode = engine.runtime.decode
+    failures = {"left": 1}
+
+    def flaky(rows: list[Row], **kwargs: Any) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise NativeError("llama_decode returned -1")
+        decode(rows, **kwargs)
+
+    engine.runtime.decode = flaky  # type: ignore[method-assign]
+    scheduler = _scheduler(engine)
+    error = scheduler.submit(_job(), _work(engine)).exception(5)
+    assert isinstance(error, DeciderError) and error.code == "backend_failed" and error.status == 500
+    assert scheduler.submit(_job(), _work(engine)).result(5).answers
+    scheduler.close()
+
+
+def test_requests_that_cannot_meet_the_deadline_are_refused_up_front() -> None:
+    engine = FakeEngine(token_seconds=0.001)
+    scheduler = _scheduler(engine, deadline=1.0)
+    scheduler.submit(_job(), _work(engine)).result(5)  # learns the decode rate: ~1 ms per token
+    rate = scheduler.seconds_per_token
+    assert rate == pytest.approx(0.001, rel=0.5)
+    with pytest.raises(RequestExceedsDeadlineError) as too_big:
+        scheduler.admit("decision", "big", cost_tokens=round(5 / rate))  # ~5 s even alone
+    assert too_big.value.status == 422 and too_big.value.retryable is False
+    gate = threading.Event()
+    engine.runtime.gate = gate
+    ahead_work = _work(engine)
+    assert ahead_work.cost_tokens * rate > 0.15
+    ahead = scheduler.submit(scheduler.admit("decision", "a", ahead_work.cost_tokens), ahead_work)
+    with pytest.raises(UnavailableError) as refused:
+        scheduler.admit("decision", "b", cost_tokens=round(0.9 / rate))  # fits alone, not behind "a"
+    assert refused.value.status == 503 and refused.value.code == "deadline_unreachable"
+    assert refused.value.retryable and int(refused.value.headers["Retry-After"]) >= 1
+    gate.set()
+    ahead.result(5)
+    scheduler.close()
+
+
+def test_closed_scheduler_refuses_new_work_and_stops_what_runs() -> None:
+    engine = FakeEngine(decode_seconds=30)
+    scheduler = _scheduler(engine)
+    running = scheduler.submit(_job(), _work(engine))
+    time.sleep(0.05)
+    started = time.monotonic()
+    scheduler.close()
+    assert isinstance(running.exception(5), UnavailableError)
+    assert time.monotonic() - started < 1.0  # the decode in flight was aborted
+    with pytest.raises(UnavailableError) as refused:
+        scheduler.admit("decision", "a")
+    assert refused.value.code == "shutting_down"
+
+
+def _ignoring_abort(runtime: FakeRuntime) -> Any:
+    decode = runtime.decode
+
+    def decode_to_the_end(rows: list[Row], **kwargs: Any) -> None:
+        decode(rows)
+
+    return decode_to_the_end
