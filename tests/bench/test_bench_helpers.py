@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import math
 
@@ -20,7 +21,15 @@ from tools.bench.common import (
     spread,
 )
 from tools.bench.engine import Timed, last_line, many_options_body, options_run, report
-from tools.bench.server import Level, Outcome, concurrency_line, counter_delta, engine_counters, error_code
+from tools.bench.server import (
+    Level,
+    Outcome,
+    concurrency_line,
+    counter_delta,
+    engine_counters,
+    error_code,
+    server_settings,
+)
 
 RESPONSE = {
     "answers": {
@@ -197,3 +206,13 @@ def test_many_options_beyond_the_model_labels_are_not_run():
 
     row = options_run(Engine(), {"state": "s"}, 128, repeats=1)  # type: ignore[arg-type]
     assert row["tokens"] == 0 and math.isnan(row["seconds"]) and row["readout"].startswith("unsupported")
+
+
+def test_server_and_in_process_engine_share_their_settings():
+    from pathlib import Path
+
+    args = argparse.Namespace(model=None, n_gpu_layers=-1, threads=2)
+    fields = server_settings(args, Path("/models/bundled.gguf"))
+    assert fields == {"model_path": Path("/models/bundled.gguf"), "n_gpu_layers": -1, "n_threads": 2}
+    args = argparse.Namespace(model=Path("/m/qwen.gguf"), n_gpu_layers=0, threads=None)
+    assert server_settings(args, Path("/x.gguf")) == {"model_path": Path("/m/qwen.gguf"), "n_gpu_layers": 0}

@@ -416,6 +416,14 @@ def print_batch(console: Console, result: BatchResult) -> None:
     console.print(table)
 
 
+def server_settings(args: argparse.Namespace, default_model: Path) -> dict[str, Any]:
+    """The settings the server and the in-process engine share (the server gets them as DECIDER_*)."""
+    fields: dict[str, Any] = {"model_path": args.model or default_model, "n_gpu_layers": args.n_gpu_layers}
+    if args.threads:
+        fields["n_threads"] = args.threads
+    return fields
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -442,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="DECIDER_N_THREADS for both (default: all cores)"
     )
+    parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the bundled SmolLM2)")
+    parser.add_argument(
+        "--n-gpu-layers", type=int, default=0, help="DECIDER_N_GPU_LAYERS for both (-1: all; a CUDA build)"
+    )
     parser.add_argument("--ping-interval", type=float, default=0.1)
     args = parser.parse_args(argv)
     if args.quick:
@@ -457,10 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     sweep_cases = spread(cases, args.requests)
     bodies = [request_body(case, extensions=True) for case in sweep_cases]
     questions = sum(len(case["questions"]) for case in sweep_cases)
-    env = {"DECIDER_N_THREADS": str(args.threads)} if args.threads else {}
-    settings = Settings(model_path=smollm2_path(), **({"n_threads": args.threads} if args.threads else {}))
+    fields = server_settings(args, smollm2_path())
+    settings = Settings(**fields)
+    env = {Settings.env_name(name): str(value) for name, value in fields.items()}
     console.print(
-        f"[bold]bench-server[/]: threads={settings.threads()}, batch_invariant={settings.invariant_batches}; "
+        f"[bold]bench-server[/]: {Path(settings.model_path).name}, threads={settings.threads()}, "
+        f"n_gpu_layers={settings.n_gpu_layers}, batch_invariant={settings.invariant_batches}; "
         f"sweep: {len(bodies)} JevBench-240 requests ({questions} questions) at {levels_wanted} clients; "
         f"overhead: {args.overhead_cases} cases; batch: {args.batch_states} states"
     )
