@@ -7,7 +7,7 @@ import json
 import pytest
 from decider.engine import DecisionEngine
 from decider.errors import StartupError
-from decider.schemas.decision import parse_decision_request
+from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.settings import Settings
 
 pytestmark = pytest.mark.model
@@ -142,6 +142,19 @@ def test_throughput_mode_answers_close_to_invariant_mode(smollm2_path, engine, j
         assert agree / total >= 0.9 and delta <= 0.1
     finally:
         fast.close()
+
+
+def test_a_batch_larger_than_the_context_runs_state_by_state(tight, jevbench_cases):
+    """Five states that do not fit the tight context together: one memory epoch each, answers equal
+    to the single-state requests."""
+    questions = dict(list(jevbench_cases[0]["questions"].items())[:2])
+    states = [case["state"] for case in jevbench_cases[:5]]
+    batch = tight.decide(parse_batch_request({"states": states, "questions": questions}))
+    assert (
+        tight.plan_batch(parse_batch_request({"states": states, "questions": questions})).cost_tokens > 1024
+    )
+    singles = [tight.decide(parse_decision_request({"state": s, "questions": questions})) for s in states]
+    assert [probabilities(r) for r in batch.results] == [probabilities(r) for r in singles]
 
 
 def test_tight_context_refuses_a_prompt_longer_than_the_context(tight):

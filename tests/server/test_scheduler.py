@@ -23,7 +23,7 @@ from decider.errors import (
     RequestExceedsDeadlineError,
     UnavailableError,
 )
-from decider.schemas.decision import parse_decision_request
+from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.server.metrics import ServerMetrics
 from decider.server.scheduler import Job, Scheduler
 from server_fakes import FakeEngine, FakeRuntime
@@ -158,6 +158,17 @@ def test_starts_are_first_come_first_served_so_a_large_request_is_not_overtaken(
         future.result(5)
     assert jobs[1].started_at is not None and jobs[2].started_at is not None
     assert jobs[1].started_at <= jobs[2].started_at
+    scheduler.close()
+
+
+def test_a_batch_larger_than_one_memory_epoch_runs_its_states_in_several() -> None:
+    engine = FakeEngine(n_ctx=2000, pad_seq=63)  # batch-invariant memory: cells freed between epochs
+    scheduler = _scheduler(engine)
+    body = {"states": [f"{DECISION['state']} ({i})" for i in range(8)], "questions": DECISION["questions"]}
+    plan = engine.plan_batch(parse_batch_request(body))
+    assert plan.cost_tokens > 1.5 * 2000  # two epochs at least
+    response = scheduler.submit(_job(), engine.decision_work(plan)).result(10)
+    assert len(response.results) == 8
     scheduler.close()
 
 

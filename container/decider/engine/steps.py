@@ -99,6 +99,7 @@ class Step:
     # Sequences held across steps by prefixes that still need branch sequences to finish. A new
     # prefix may start only while enough sequences stay free for each of them to open a branch.
     prefix_holders: int = 0
+    starts_allowed: bool = True  # false behind a unit of work that could not start: first come, first served
     decisions_may_start: bool = True  # false while a request too large for one epoch runs alone
     alone_possible: bool = True  # true when no other decision has started (such a request may start)
     rows: list[PlannedRow] = field(default_factory=list)

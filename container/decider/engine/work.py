@@ -53,6 +53,16 @@ class Work(Protocol):
     def started(self) -> bool: ...
 
     @property
+    def in_epoch(self) -> bool:
+        """It holds cells a memory epoch must keep (a decision state that started and is open)."""
+        ...
+
+    @property
+    def wants_start(self) -> bool:
+        """It has a unit of work (a state, a chat) that has not started yet."""
+        ...
+
+    @property
     def exclusive(self) -> bool: ...
 
     @property
@@ -186,6 +196,14 @@ class DecisionWork:
         return any(state.started for state in self.states)
 
     @property
+    def in_epoch(self) -> bool:
+        return any(state.started and state.open_items for state in self.states)
+
+    @property
+    def wants_start(self) -> bool:
+        return any(not state.started and state.open_items for state in self.states)
+
+    @property
     def exclusive(self) -> bool:
         """Some state cannot fit one memory epoch: the request runs with no other decision beside it."""
         return any(state.streaming for state in self.states)
@@ -233,6 +251,8 @@ class DecisionWork:
 
     def _start_state(self, state: _StateRun, step: Step) -> bool:
         """Reserve the state's cells (all of them; a streaming state: its prefix and one branch)."""
+        if not step.starts_allowed:
+            return False
         if state.streaming:
             if not step.alone_possible:
                 return False
@@ -458,10 +478,15 @@ class ChatWork:
 
     prefix_seqs = 0  # a generation never waits for another sequence
     exclusive = False
+    in_epoch = False  # its cells are its own: an epoch may end while it runs
 
     @property
     def started(self) -> bool:
         return self._seq is not None or self._finish is not None
+
+    @property
+    def wants_start(self) -> bool:
+        return not self.started
 
     @property
     def future_cells(self) -> int:
@@ -498,7 +523,7 @@ class ChatWork:
         if self._seq is None:
             # The whole generation's cells are reserved up front: it never runs out mid-answer.
             need = len(self.plan.prompt) + self.plan.max_tokens
-            if not step.seqs.available or step.cells_left < need:
+            if not step.starts_allowed or not step.seqs.available or step.cells_left < need:
                 return
             self._seq = step.seqs.acquire()
             self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed)

@@ -152,6 +152,7 @@ class _Running:
     work: Work
     future: Future[Any]
     decoded: int = 0  # tokens decoded so far (for the wait estimate)
+    dead_base: int = 0  # the work's dead cells when the current memory epoch began
 
     @property
     def started(self) -> bool:
@@ -374,18 +375,22 @@ class Scheduler:
         self._head_ready = True
 
     def _dead_cells(self) -> int:
-        return self._dead_removed + sum(r.work.dead_cells for r in self._works)
+        """Cells released into the graveyards since the last compaction (works count theirs
+        cumulatively; `dead_base` is what a work had released before the epoch began)."""
+        return self._dead_removed + sum(r.work.dead_cells - r.dead_base for r in self._works)
 
     def _maybe_compact(self, backend: Backend) -> None:
         """End the memory epoch when no decision is running: free every dead cell at once."""
         assert self._seqs is not None
         if not self._seqs.epochs or not self._dead_cells():
             return
-        if any(r.work.kind == "decision" and r.work.started for r in self._works):
+        if any(r.work.in_epoch for r in self._works):  # a started state keeps its cells in place
             return
         live = [HEAD_SEQ, *(seq for r in self._works for seq in r.work.live_seqs)]
         self._seqs.compact(backend, live)
         self._dead_removed = 0
+        for running in self._works:
+            running.dead_base = running.work.dead_cells
 
     def _plan(self, backend: Backend) -> Step:
         assert self._seqs is not None
@@ -402,15 +407,14 @@ class Scheduler:
         for running in order:
             if step.tokens_left <= 0:
                 break
-            if waiting_ahead and not running.work.started:
-                continue
-            started = [r for r in self._works if r.work.kind == "decision" and r.work.started]
-            alone = any(r.work.exclusive for r in started)
+            live = [r for r in self._works if r.work.in_epoch]
+            alone = any(r.work.exclusive for r in live)
+            step.starts_allowed = not waiting_ahead
             step.decisions_may_start = not alone or running.work.exclusive
-            step.alone_possible = all(r is running for r in started)
+            step.alone_possible = all(r is running for r in live)
             before = len(step.rows)
             running.work.plan_step(step)
-            waiting_ahead = waiting_ahead or not running.work.started
+            waiting_ahead = waiting_ahead or running.work.wants_start
             if len(step.rows) > before and running.job.started_at is None:
                 running.job.started_at = now
                 self._metrics.queue_wait.labels(running.job.kind).observe(now - running.job.admitted_at)
@@ -505,7 +509,7 @@ class Scheduler:
             job.completed_at = now
             with self._cond:
                 self._works.remove(running)
-                self._dead_removed += running.work.dead_cells
+                self._dead_removed += running.work.dead_cells - running.dead_base
                 self._admitted.discard(job)
                 self._update_gauges_locked()
             if job.started_at is not None:
@@ -559,7 +563,7 @@ class Scheduler:
         with self._cond:
             if running in self._works:
                 self._works.remove(running)
-                self._dead_removed += running.work.dead_cells
+                self._dead_removed += running.work.dead_cells - running.dead_base
             self._admitted.discard(running.job)
             self._update_gauges_locked()
 
