@@ -105,6 +105,14 @@ class Settings(BaseSettings):
         "count. Micro-batches of at most 63 tokens, tiled K-quant matmul at every row count, no weight "
         "repacking. Default: on for CPU inference, off with GPU layers (CUDA picks kernels by batch size).",
     )
+    epoch_cells: PositiveInt | None = Field(
+        None,
+        description="With batch_invariant: once decisions hold this many cells (in use, or released and "
+        "not yet freed), no new decision starts until the running ones end their memory epoch. CPU "
+        "attention scans every cell up to the highest one in use, so a smaller span is faster under "
+        "concurrency (8 clients: 0.93x the 1-client throughput at 4096 against 0.84x unbounded). "
+        "Default: half of n_ctx.",
+    )
     flash_attn: bool = Field(
         True,
         description="Use flash attention where the backend supports it (llama.cpp 'auto'). On CPU it "
@@ -217,6 +225,11 @@ class Settings(BaseSettings):
     def invariant_batches(self) -> bool:
         """batch_invariant, resolved: on for CPU inference unless switched off."""
         return self.n_gpu_layers == 0 if self.batch_invariant is None else self.batch_invariant
+
+    @property
+    def epoch_limit(self) -> int:
+        """epoch_cells, resolved."""
+        return self.epoch_cells if self.epoch_cells is not None else self.n_ctx // 2
 
     @property
     def micro_batch(self) -> int:

@@ -37,8 +37,12 @@ DECISION = {
 }
 
 
-def _scheduler(engine: FakeEngine, queue_size: int = 8, deadline: float = 5.0) -> Scheduler:
-    scheduler = Scheduler(queue_size=queue_size, deadline_seconds=deadline, metrics=ServerMetrics())
+def _scheduler(
+    engine: FakeEngine, queue_size: int = 8, deadline: float = 5.0, epoch_cells: int | None = None
+) -> Scheduler:
+    scheduler = Scheduler(
+        queue_size=queue_size, deadline_seconds=deadline, metrics=ServerMetrics(), epoch_cells=epoch_cells
+    )
     scheduler.submit_unscheduled(lambda: scheduler.attach(engine.runtime, engine.head_tokens)).result(5)
     return scheduler
 
@@ -170,6 +174,42 @@ def test_a_batch_larger_than_one_memory_epoch_runs_its_states_in_several() -> No
     response = scheduler.submit(_job(), engine.decision_work(plan)).result(10)
     assert len(response.results) == 8
     scheduler.close()
+
+
+def _start_and_finish_times(epoch_cells: int | None, chat_first: bool = False) -> tuple[float, float]:
+    """(when the second decision started, when the first work finished) on batch-invariant memory."""
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, pad_seq=63)
+    scheduler = _scheduler(engine, epoch_cells=epoch_cells)
+    if chat_first:
+        plan = engine.chat_plan([{"role": "user", "content": "hi"}], max_tokens=6, max_tokens_cap=6)
+        first = scheduler.submit(_job(kind="chat"), ChatWork(plan))
+    else:
+        first = scheduler.submit(_job(), _work(engine))
+    deadline = time.monotonic() + 5
+    while not engine.calls and time.monotonic() < deadline:  # the first work is in its first decode
+        time.sleep(0.005)
+    finished: list[float] = []
+    first.add_done_callback(lambda _: finished.append(time.monotonic()))
+    second_job = _job()
+    second = scheduler.submit(second_job, _work(engine))
+    gate.set()
+    first.result(5), second.result(5)
+    scheduler.close()
+    assert second_job.started_at is not None
+    return second_job.started_at, finished[0]
+
+
+def test_a_full_memory_epoch_starts_no_decision_until_its_own_have_finished() -> None:
+    started, first_done = _start_and_finish_times(epoch_cells=1)
+    assert started > first_done
+    started, first_done = _start_and_finish_times(epoch_cells=None)  # unbounded: they overlap
+    assert started < first_done
+
+
+def test_a_chat_s_cells_never_hold_decisions_back_at_the_epoch_limit() -> None:
+    started, chat_done = _start_and_finish_times(epoch_cells=1, chat_first=True)
+    assert started < chat_done
 
 
 def test_work_completed_after_its_deadline_is_a_504_whatever_the_event_loop_does() -> None:

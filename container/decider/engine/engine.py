@@ -222,7 +222,12 @@ class DecisionEngine:
         from decider.server.scheduler import Job, Scheduler
 
         if self._local is None:
-            self._local = Scheduler(queue_size=1024, deadline_seconds=3600, metrics=ServerMetrics())
+            self._local = Scheduler(
+                queue_size=1024,
+                deadline_seconds=3600,
+                metrics=ServerMetrics(),
+                epoch_cells=self.settings.epoch_limit,
+            )
             self._local.attach(self._rt, self.head_tokens)
         now = time.monotonic()
         job = Job(kind, uuid.uuid4().hex, now + 3600, now, work.cost_tokens)

@@ -73,7 +73,10 @@ class ServerRuntime:
         self.settings = settings
         self.metrics = ServerMetrics()
         self.scheduler = Scheduler(
-            queue_size=settings.queue_size, deadline_seconds=settings.deadline_seconds, metrics=self.metrics
+            queue_size=settings.queue_size,
+            deadline_seconds=settings.deadline_seconds,
+            metrics=self.metrics,
+            epoch_cells=settings.epoch_limit,
         )
         self._loader = loader
         self.state: State = "loading"

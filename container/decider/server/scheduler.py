@@ -162,8 +162,16 @@ class _Running:
 class Scheduler:
     """Owns the engine thread, the admission queue and the batching of every decode."""
 
-    def __init__(self, *, queue_size: int, deadline_seconds: float, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        *,
+        queue_size: int,
+        deadline_seconds: float,
+        metrics: ServerMetrics,
+        epoch_cells: int | None = None,
+    ) -> None:
         self.queue_size = queue_size
+        self.epoch_cells = epoch_cells  # None: memory epochs end only when the context is full
         self.deadline_seconds = deadline_seconds
         self._metrics = metrics
         self._cond = threading.Condition()
@@ -392,6 +400,17 @@ class Scheduler:
         for running in self._works:
             running.dead_base = running.work.dead_cells
 
+    def _epoch_full(self) -> bool:
+        """The memory epoch has grown to `epoch_cells`: let its decisions finish, start none.
+
+        Counted are the cells compaction could free or must keep (decisions and the graveyards), not
+        a long chat's, so a generation never holds decisions back."""
+        if self.epoch_cells is None or not self._seqs or not self._seqs.epochs:
+            return False
+        decisions = (r.work for r in self._works if r.work.kind == "decision")
+        used = sum(work.live_cells + work.future_cells for work in decisions) + self._dead_cells()
+        return used >= self.epoch_cells
+
     def _plan(self, backend: Backend) -> Step:
         assert self._seqs is not None
         held = sum(r.work.live_cells + r.work.future_cells for r in self._works) + self._dead_cells()
@@ -399,6 +418,7 @@ class Scheduler:
         capacity = backend.n_ctx - fixed
         step = Step(backend, self._seqs, backend.n_batch, capacity - held, capacity)
         step.prefix_holders = sum(r.work.prefix_seqs for r in self._works)
+        epoch_full = self._epoch_full()
         now = time.monotonic()
         order = [r for r in self._works if r.work.kind == "chat" and r.started] + [
             r for r in self._works if not (r.work.kind == "chat" and r.started)
@@ -409,7 +429,7 @@ class Scheduler:
                 break
             live = [r for r in self._works if r.work.in_epoch]
             alone = any(r.work.exclusive for r in live)
-            step.starts_allowed = not waiting_ahead
+            step.starts_allowed = not (waiting_ahead or epoch_full)
             step.decisions_may_start = not alone or running.work.exclusive
             step.alone_possible = all(r is running for r in live)
             before = len(step.rows)
