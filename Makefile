@@ -70,6 +70,7 @@ image:
 
 # Start the image as SageMaker does and run the contract against it (tools/image/contract.py).
 image-test: setup
+	@test "$(VARIANT)" = cpu || { echo "image-test runs the CPU contract (no GPU here): VARIANT=cpu only" >&2; exit 2; }
 	tools/image/docker-host.sh
 	$(BIN)/python -m tools.image.contract --image $(IMAGE)
 

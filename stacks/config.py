@@ -23,6 +23,7 @@ from typing import Any, Literal
 from decider.settings import Settings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from stacks.handlers.image_retention import IMAGE_URI_RE  # the handlers check the same form
 from stacks.instances import (
     GPU_FAMILIES,
     INSTANCE_TYPES,
@@ -36,10 +37,6 @@ VARIANTS: tuple[VariantName, ...] = ("cpu", "gpu")
 # The context keys this app owns; every other context key (CDK feature flags, …) is left alone.
 ROOT_KEYS = ("project", "model", "cpu", "gpu", "image_uri", "model_s3_uri", "account", "region")
 
-IMAGE_URI_RE = re.compile(
-    r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9\-]+)\.amazonaws\.com(?:\.cn)?"
-    r"/(?P<repository>[a-z0-9][a-z0-9._\-/]*)@(?P<digest>sha256:[0-9a-f]{64})$"
-)
 S3_PREFIX_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<prefix>(?:[^/]+/)+)$")
 INSTANCE_TYPE_RE = re.compile(r"^ml\.(?P<family>[a-z0-9\-]+)\.(?P<size>[a-z0-9]+)$")
 ENDPOINT_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
@@ -238,8 +235,8 @@ class AlarmConfig(_Strict):
         le=100,
         description="InvocationModelErrors (any non-2xx answer or timeout) / Invocations in % (2 of 3).",
     )
-    model_setup_time_s: int = Field(
-        900, ge=1, le=3600, description="ModelSetupTime (instance launch + model download) that notifies."
+    disk_percent: float = Field(
+        90.0, gt=0, le=100, description="DiskUtilization of an instance (model, logs) that notifies (5 min)."
     )
     email: str | None = Field(None, description="Subscribes this address to the alarm topic (confirm it).")
 

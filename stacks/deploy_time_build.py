@@ -49,6 +49,14 @@ def _service_timeout() -> Duration:
     return Duration.seconds(CUSTOM_RESOURCE_TIMEOUT_S)
 
 
+def build_inputs_id(tag: str, image_source: str, wait_minutes: int) -> str:
+    """The suffix of the wait condition and its handle: new whenever one of their inputs changes.
+
+    A handle must not be signalled twice, and a wait condition's Timeout cannot be updated in place
+    (CloudFormation: "Updates aren't supported"), so a new timeout also needs a new wait."""
+    return hashlib.sha256(f"{tag}|{image_source}|{wait_minutes}".encode()).hexdigest()[:12].upper()
+
+
 class ImageBuild(Construct):
     """Builds, reuses or keeps this variant's image; `image_uri` is `<repository uri>@sha256:<digest>`."""
 
@@ -63,7 +71,8 @@ class ImageBuild(Construct):
     ):
         super().__init__(scope, construct_id)
         self.tag = image_tag(variant, image_stack.source_hash)
-        inputs = hashlib.sha256(f"{self.tag}|{variant.image_source}".encode()).hexdigest()[:12].upper()
+        wait_minutes = image_wait_minutes(variant.image_build)
+        inputs = build_inputs_id(self.tag, variant.image_source, wait_minutes)
         handle = CfnWaitConditionHandle(self, f"Handle{inputs}")
         source = image_stack.container_source
         self.resource = CustomResource(
@@ -98,7 +107,7 @@ class ImageBuild(Construct):
             f"Wait{inputs}",
             handle=handle.ref,
             count=1,
-            timeout=str(image_wait_minutes(variant.image_build) * 60),
+            timeout=str(wait_minutes * 60),
         )
         # The wait starts once the build has started (or was found unnecessary).
         self.wait.node.add_dependency(self.resource)

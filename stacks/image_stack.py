@@ -37,6 +37,7 @@ from stacks.config import (
     VariantConfig,
     deployed_image_parameter,
 )
+from stacks.handlers.build_states import FAILED_STATES
 from stacks.nag import acknowledge
 from stacks.paths import ASSET_EXCLUDES, BUILDSPEC_DIR, CONTAINER_DIR, HANDLERS_DIR, container_excludes
 
@@ -48,7 +49,6 @@ PROVIDER_TOTAL_TIMEOUT = Duration.minutes(PROVIDER_TOTAL_TIMEOUT_MINUTES)
 IMAGES_KEPT_PER_VARIANT = 20
 # "keep-<digest>" marks deployed images; this count is never reached, so they never expire.
 KEPT_DEPLOYED_IMAGES = 10_000
-IMAGE_FAILED_STATES = ["FAILED", "FAULT", "STOPPED", "TIMED_OUT"]
 
 
 def artifacts_bucket_name(project: str) -> str:
@@ -434,7 +434,7 @@ class BuildProvider(Construct):
         projects.image.on_state_change(
             "ImageBuildFailed",
             target=targets.LambdaFunction(watcher, retry_attempts=4, max_event_age=Duration.hours(1)),
-            event_pattern=events.EventPattern(detail={"build-status": IMAGE_FAILED_STATES}),
+            event_pattern=events.EventPattern(detail={"build-status": list(FAILED_STATES)}),
             description="Failed image builds: signal FAILURE to their deploy's wait condition",
         )
         acknowledge(

@@ -3,7 +3,8 @@
 Two alarms roll a deployment back: the 5xx *rate* (metric math over Invocations, so a background
 error rate on a busy endpoint does not roll back every deploy, and a single error in a quiet minute
 does not either) and the model latency p90. The others notify only: the 4xx rate, the model error
-rate (InvocationModelErrors: any non-2xx answer, socket error or timeout), ModelSetupTime and memory.
+rate (InvocationModelErrors: any non-2xx answer, socket error or timeout), memory and disk. (Not
+ModelSetupTime: SageMaker publishes it for serverless endpoints only, and these are instance-backed.)
 Every alarm sends ALARM and OK to the stack's SNS topic.
 
 The alarms' dimensions use the (stable, configured) endpoint name rather than a reference to the
@@ -187,17 +188,15 @@ class EndpointAlarms(Construct):
             datapoints_to_alarm=2,
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
-        self.setup_time = cw.Alarm(
+        self.disk = cw.Alarm(
             self,
-            "ModelSetupTime",
-            alarm_description=f"{name}: launching compute and loading the model took longer than "
-            f"{thresholds.model_setup_time_s} s.",
-            # ModelSetupTime is reported in microseconds; SageMaker documents it for compute it launches
-            # on demand, so an instance-backed fleet may never report it (then the alarm stays OK).
-            metric=invocation_metric("ModelSetupTime", variant, "Maximum"),
-            threshold=thresholds.model_setup_time_s * 1_000_000,
+            "DiskHigh",
+            alarm_description=f"{name}: instance disk above {thresholds.disk_percent:g} % for 5 minutes "
+            "(the space the container uses on the instance, the model included).",
+            metric=instance_metric("DiskUtilization", variant, "Maximum"),
+            threshold=thresholds.disk_percent,
             comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            evaluation_periods=1,
+            evaluation_periods=5,
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
         self.memory = cw.Alarm(
@@ -226,8 +225,8 @@ class EndpointAlarms(Construct):
             self.latency,
             self.client_errors,
             self.model_errors,
-            self.setup_time,
             self.memory,
+            self.disk,
         ]
 
 

@@ -31,6 +31,20 @@ def cdk_json_context(path: Path = CDK_JSON) -> dict[str, Any]:
     return dict(json.loads(path.read_text(encoding="utf-8")).get("context", {}))
 
 
+def context_with(pairs: list[str]) -> dict[str, Any]:
+    """cdk.json's context with `-c KEY=VALUE` overrides applied (values as strings, as the cdk CLI
+    passes them). Raises stacks.config.ConfigError for a pair without a key or an `=`."""
+    from stacks.config import ConfigError
+
+    context = cdk_json_context()
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"-c expects KEY=VALUE, got {pair!r}")
+        context[key] = value
+    return context
+
+
 def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None):
     """Build and synthesize the app into `outdir`; returns (DeciderApp, CloudAssembly).
 

@@ -207,10 +207,10 @@ class Settings(BaseSettings):
                 "larger micro-batches switch llama.cpp's CPU attention to a tiled kernel"
             )
         reserved = 4 if self.invariant_batches else 1  # head (+ invariance pad and two graveyards)
-        if self.n_seq_max < reserved + 2:
+        if self.n_seq_max < reserved + 3:
             raise ValueError(
-                f"n_seq_max ({self.n_seq_max}) must be at least {reserved + 2}: {reserved} reserved "
-                "sequence(s), plus one for a state and one for a question branch"
+                f"n_seq_max ({self.n_seq_max}) must be at least {reserved + 3}: {reserved} reserved "
+                "sequence(s), plus one for a state, one for a question branch and one for its label positions"
             )
         if self.micro_batch > self.n_batch:
             raise ValueError(f"n_ubatch ({self.micro_batch}) must not exceed n_batch ({self.n_batch})")

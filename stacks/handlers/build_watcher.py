@@ -14,13 +14,13 @@ from typing import Any
 
 try:  # package import (tools, tests)
     from . import wait_signal
+    from .build_states import FAILED_STATES
 except ImportError:  # the Lambda asset's root
     import wait_signal  # type: ignore[no-redef]
+    from build_states import FAILED_STATES  # type: ignore[no-redef]
 
 LOG = logging.getLogger()
 LOG.setLevel(logging.INFO)
-
-FAILED_STATES = frozenset({"FAILED", "FAULT", "STOPPED", "TIMED_OUT"})
 
 
 def failure_reason(detail: dict[str, Any]) -> str:

@@ -33,16 +33,17 @@ from botocore.exceptions import ClientError
 
 try:  # package import (tools, tests)
     from . import image_retention, post_deploy_check, wait_signal
+    from .build_states import FAILED_STATES
 except ImportError:  # the Lambda asset's root
     import image_retention  # type: ignore[no-redef]
     import post_deploy_check  # type: ignore[no-redef]
     import wait_signal  # type: ignore[no-redef]
+    from build_states import FAILED_STATES  # type: ignore[no-redef]
 
 LOG = logging.getLogger()
 LOG.setLevel(logging.INFO)
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-FAILED_STATES = frozenset({"FAILED", "FAULT", "STOPPED", "TIMED_OUT"})
 # CodeBuild does not support local caching on BUILD_GENERAL1_2XLARGE (CodeBuild User Guide, "Local
 # caching"): such builds run with the cache switched off.
 NO_LOCAL_CACHE_COMPUTE = frozenset({"BUILD_GENERAL1_2XLARGE"})
@@ -297,6 +298,13 @@ def start_model(clients: Any, event: dict[str, Any], now: datetime) -> dict[str,
 def start_image(clients: Any, event: dict[str, Any], now: datetime) -> dict[str, Any]:
     props = event["ResourceProperties"]
     handle = props["WaitHandle"]
+    if event["RequestType"] == "Update" and post_deploy_check.rolling_back(
+        clients["cloudformation"], event["StackId"]
+    ):
+        # The rollback's Update carries the old properties, whose handle was signalled long ago:
+        # signalling it again could only fail the rollback itself.
+        LOG.info("stack is rolling back: keeping image %s, no build and no signal", props["ImageTag"])
+        return {"BuildId": "", "Source": "rollback"}
     if props.get("ImageSource", "auto") == "auto":
         pinned = pinned_image(clients["ssm"], props["DeployedImageParameter"])
         if pinned:

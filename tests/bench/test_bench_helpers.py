@@ -16,6 +16,7 @@ from tools.bench.common import (
     distributions,
     key_values,
     max_abs_delta,
+    model_settings,
     ratio,
     same_questions_group,
     spread,
@@ -28,7 +29,6 @@ from tools.bench.server import (
     counter_delta,
     engine_counters,
     error_code,
-    server_settings,
 )
 
 RESPONSE = {
@@ -212,7 +212,7 @@ def test_server_and_in_process_engine_share_their_settings():
     from pathlib import Path
 
     args = argparse.Namespace(model=None, n_gpu_layers=-1, threads=2)
-    fields = server_settings(args, Path("/models/bundled.gguf"))
+    fields = model_settings(args, Path("/models/bundled.gguf"))
     assert fields == {"model_path": Path("/models/bundled.gguf"), "n_gpu_layers": -1, "n_threads": 2}
     args = argparse.Namespace(model=Path("/m/qwen.gguf"), n_gpu_layers=0, threads=None)
-    assert server_settings(args, Path("/x.gguf")) == {"model_path": Path("/m/qwen.gguf"), "n_gpu_layers": 0}
+    assert model_settings(args, Path("/x.gguf")) == {"model_path": Path("/m/qwen.gguf"), "n_gpu_layers": 0}

@@ -55,7 +55,9 @@ def test_json_output_and_custom_workloads(capsys):
         cli.main(["--variant", "cpu", "--json", "--p95-tokens", "1000", "--instance-type", "ml.m7i.2xlarge"])
         == 0
     )
-    rows = {r["instance_type"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["p95_tokens"] == 1000 and out["workload"]["source"] == "command line"
+    rows = {r["instance_type"]: r for r in out["rows"]}
     assert rows["ml.m7i.2xlarge"]["p95_s"] == pytest.approx(1000 / (6.4788 * 8), rel=1e-3)
     assert rows["ml.c7i.8xlarge"]["configured"] is True
     assert rows["ml.c7i.8xlarge"]["fleet_price_per_hour"] == pytest.approx(2 * 1.714)

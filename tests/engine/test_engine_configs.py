@@ -77,7 +77,7 @@ def test_plain_fallback_template_works(gemma3_path):
         Settings(
             model_path=gemma3_path,
             n_ctx=512,
-            n_seq_max=6,
+            n_seq_max=7,
             max_state_tokens=256,
             chat_template_fallback="plain",
         )
@@ -98,7 +98,7 @@ def test_plain_fallback_template_works(gemma3_path):
 def tight(smollm2_path):
     """Tiny batches and few sequences, so prefill and every branch must be split into many decodes."""
     settings = Settings(
-        model_path=smollm2_path, n_ctx=1024, n_batch=32, n_ubatch=32, n_seq_max=6, max_state_tokens=600
+        model_path=smollm2_path, n_ctx=1024, n_batch=32, n_ubatch=32, n_seq_max=7, max_state_tokens=600
     )
     engine = DecisionEngine.load(settings)
     yield engine
@@ -126,8 +126,8 @@ def test_tight_context_chunks_prefill_and_fanout_and_agrees_with_the_default(tig
 
 def test_fewer_sequences_than_the_engine_reserves_is_a_setting_error(smollm2_path):
     with pytest.raises(ValueError, match="n_seq_max"):
-        Settings(model_path=smollm2_path, n_seq_max=5)
-    assert Settings(model_path=smollm2_path, n_seq_max=3, batch_invariant=False).n_seq_max == 3
+        Settings(model_path=smollm2_path, n_seq_max=6)
+    assert Settings(model_path=smollm2_path, n_seq_max=4, batch_invariant=False).n_seq_max == 4
 
 
 def test_throughput_mode_answers_close_to_invariant_mode(smollm2_path, engine, jevbench_cases):
@@ -155,6 +155,22 @@ def test_a_batch_larger_than_the_context_runs_state_by_state(tight, jevbench_cas
     )
     singles = [tight.decide(parse_decision_request({"state": s, "questions": questions})) for s in states]
     assert [probabilities(r) for r in batch.results] == [probabilities(r) for r in singles]
+
+
+def test_a_state_whose_questions_do_not_fit_together_streams_them_with_the_same_answers(
+    tight, engine, jevbench_cases
+):
+    """The state and any one question fit the tight context, all of them do not: its questions run
+    one at a time, bitwise as each alone on the default engine."""
+    case = max(jevbench_cases[:40], key=lambda c: len(c["questions"]))
+    questions = dict(case["questions"])
+    request = parse_decision_request({"state": case["state"], "questions": questions})
+    work = tight.decision_work(tight.plan_decision(request))
+    assert [state.streaming for state in work.states] == [True]
+    streamed = probabilities(tight.decide(request))
+    for key, question in questions.items():
+        alone = engine.decide(parse_decision_request({"state": case["state"], "questions": {key: question}}))
+        assert streamed[key] == probabilities(alone)[key], key
 
 
 def test_tight_context_refuses_a_prompt_longer_than_the_context(tight):
@@ -199,7 +215,7 @@ def _two(tmp):
 def test_a_directory_with_one_gguf_is_resolved(tmp_path, smollm2_path):
     (tmp_path / "model.gguf").symlink_to(smollm2_path)
     (tmp_path / "notes.json").write_text(json.dumps({"x": 1}))
-    engine = DecisionEngine.load(Settings(model_path=tmp_path, n_ctx=512, n_seq_max=6, max_state_tokens=256))
+    engine = DecisionEngine.load(Settings(model_path=tmp_path, n_ctx=512, n_seq_max=7, max_state_tokens=256))
     try:
         assert engine.model_info.file.endswith("model.gguf") and engine.model_info.name == "model"
     finally:

@@ -31,7 +31,7 @@ def gemma_marked(gemma3_path):
         Settings(
             model_path=gemma3_path,
             n_ctx=1024,
-            n_seq_max=6,
+            n_seq_max=7,
             max_state_tokens=512,
             marker_tokens=["<start_of_image>"],
         )

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.server, pytest.mark.model]
 GEMMA_ENV = {
     "DECIDER_N_THREADS": "1",
     "DECIDER_N_CTX": "1024",
-    "DECIDER_N_SEQ_MAX": "6",
+    "DECIDER_N_SEQ_MAX": "7",
     "DECIDER_MAX_STATE_TOKENS": "512",
     "DECIDER_MARKER_TOKENS": json.dumps(["<start_of_image>"]),
 }
@@ -46,7 +46,7 @@ def gemma_engine(gemma3_path) -> Iterator[Any]:
     settings = Settings(
         model_path=gemma3_path,
         n_ctx=1024,
-        n_seq_max=6,
+        n_seq_max=7,
         max_state_tokens=512,
         marker_tokens=["<start_of_image>"],
         n_threads=1,

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 import pytest
+from decider.engine.labels import build_label_table
 from decider.engine.native import KvCacheFullError, NativeError, Row
 from decider.engine.work import ChatWork
 from decider.errors import (
@@ -26,7 +27,7 @@ from decider.errors import (
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.server.metrics import ServerMetrics
 from decider.server.scheduler import Job, Scheduler
-from server_fakes import FakeEngine, FakeRuntime
+from server_fakes import FakeEngine, FakeRuntime, chars
 
 DECISION = {
     "state": "I was charged twice for one order.",
@@ -149,7 +150,8 @@ def test_starts_are_first_come_first_served_so_a_large_request_is_not_overtaken(
     engine = FakeEngine(gate=gate, n_ctx=2000)
     scheduler = _scheduler(engine)
     small, big = _work(engine), _work(engine, {**DECISION, "state": "long " * 250})
-    assert small.plan.cost_tokens + big.plan.cost_tokens > 2000 and not big.exclusive  # fits alone only
+    streams = any(state.streaming for state in big.states)
+    assert small.plan.cost_tokens + big.plan.cost_tokens > 2000 and not streams  # fits alone only
     jobs = [_job(), _job(), _job()]
     first = scheduler.submit(jobs[0], small)  # holds memory, gated in its first decode
     deadline = time.monotonic() + 5
@@ -210,6 +212,48 @@ def test_a_full_memory_epoch_starts_no_decision_until_its_own_have_finished() ->
 def test_a_chat_s_cells_never_hold_decisions_back_at_the_epoch_limit() -> None:
     started, chat_done = _start_and_finish_times(epoch_cells=1, chat_first=True)
     assert started < chat_done
+
+
+@pytest.mark.parametrize("pad_seq", [63, None], ids=["epochs", "no-epochs"])
+@pytest.mark.parametrize("mode", ["shared", "fresh"])
+def test_a_state_larger_than_the_context_streams_its_questions_one_by_one(
+    mode: str, pad_seq: int | None
+) -> None:
+    """Its prefix and its largest question fit; all its questions together do not."""
+    engine = FakeEngine(n_ctx=2000, pad_seq=pad_seq)
+    scheduler = _scheduler(engine)
+    questions = {
+        f"q{i}": {
+            "type": "choice",
+            "instructions": f"{i} " + "long question " * 20,
+            "criteria": {"a": None, "b": None},
+        }
+        for i in range(3)
+    }
+    body = {"state": "evidence " * 150, "questions": questions, "mode": mode}
+    work = _work(engine, body)
+    assert [state.streaming for state in work.states] == [True]
+    beside = scheduler.submit(_job(), _work(engine))  # an ordinary request, admitted first
+    response = scheduler.submit(_job(), work).result(10)
+    assert sorted(response.answers) == ["q0", "q1", "q2"]
+    assert beside.result(5).answers
+    scheduler.close()
+
+
+def test_branches_leave_a_sequence_for_their_label_positions() -> None:
+    """Two-letter labels are read in child sequences: with the fewest sequences allowed, three such
+    questions still finish (each branch opens only while a sequence stays free for its children)."""
+    engine = FakeEngine(n_seq_max=7, pad_seq=6)
+    planner = engine.planner
+    planner.labels = build_label_table(planner.builder, chars, lambda t: chr(t).encode(), 255, single_limit=4)
+    criteria = {f"o{i}": None for i in range(12)}
+    questions = {f"q{i}": {"type": "choice", "criteria": criteria} for i in range(3)}
+    work = _work(engine, {"state": "evidence", "questions": questions})
+    assert all(item.trie.children(()) for item in work.plan.states[0].items)
+    scheduler = _scheduler(engine)
+    response = scheduler.submit(_job(), work).result(5)
+    assert all(len(answer.probabilities) == 12 for answer in response.answers.values())
+    scheduler.close()
 
 
 def test_work_completed_after_its_deadline_is_a_504_whatever_the_event_loop_does() -> None:

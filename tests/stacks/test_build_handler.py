@@ -102,6 +102,17 @@ MODEL_PROPS = {
 MODEL_KEY = MODEL_PROPS["Prefix"] + "model.gguf"
 
 
+STACK_ID = "arn:aws:cloudformation:us-east-1:123456789012:stack/CpuStack/1a2b3c"
+
+
+def stack_status(aws: dict[str, Any], status: str) -> None:
+    aws["cloudformation"].add_response(
+        "describe_stacks",
+        {"Stacks": [{"StackName": "CpuStack", "StackStatus": status, "CreationTime": STARTED}]},
+        expected_params={"StackName": STACK_ID},
+    )
+
+
 def event(request: str, props: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"RequestType": request, "RequestId": REQUEST_ID, "ResourceProperties": props, **extra}
 
@@ -192,8 +203,10 @@ def test_existing_tag_is_reused_and_signalled_without_a_build(aws, handle):
         {"imageDetails": [{"imageDigest": DIGEST, "imageTags": ["cpu-abc"]}]},
         expected_params={"repositoryName": "decider-images", "imageIds": [{"imageTag": "cpu-abc"}]},
     )
+    stack_status(aws, "UPDATE_IN_PROGRESS")
     props = image_props(handle.url)
-    started = job.on_event(event("Update", props, PhysicalResourceId="old"), clients=aws["clients"])
+    update = event("Update", props, PhysicalResourceId="old", StackId=STACK_ID)
+    started = job.on_event(update, clients=aws["clients"])
     assert started["Data"] == {"BuildId": "", "Source": "build"}
     [signal] = handle.signals
     assert signal == {
@@ -205,6 +218,14 @@ def test_existing_tag_is_reused_and_signalled_without_a_build(aws, handle):
     assert handle.headers[0].get("Content-Type", "") == ""  # presigned URLs sign no content type
     done = job.is_complete(event("Update", props, **started), clients=aws["clients"])
     assert done == {"IsComplete": True, "Data": {"BuildId": "", "Source": "build"}}
+
+
+def test_a_rollback_s_update_neither_builds_nor_signals_the_old_handle(aws, handle):
+    stack_status(aws, "UPDATE_ROLLBACK_IN_PROGRESS")
+    update = event("Update", image_props(handle.url), PhysicalResourceId="old", StackId=STACK_ID)
+    started = job.on_event(update, clients=aws["clients"])  # no SSM, ECR or CodeBuild call expected
+    assert started["Data"] == {"BuildId": "", "Source": "rollback"}
+    assert handle.signals == []
 
 
 def test_an_image_pinned_by_the_last_deploy_is_kept_without_building(aws, handle):

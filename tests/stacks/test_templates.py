@@ -14,6 +14,7 @@ from stack_helpers import STACKS, only, resources
 
 from stacks import config as app_config
 from stacks.config import container_environment
+from stacks.deploy_time_build import build_inputs_id
 
 pytestmark = pytest.mark.cdk
 
@@ -337,6 +338,12 @@ def test_a_new_build_input_gets_a_new_handle_and_wait_condition(synth, synth_pre
         )
 
 
+def test_a_new_wait_timeout_alone_gets_a_new_wait_condition() -> None:
+    """`-c gpu.image_build.timeout_minutes=…` without a source change must not update a Timeout."""
+    assert build_inputs_id("t", "build", 60) != build_inputs_id("t", "build", 75)
+    assert build_inputs_id("t", "build", 60) == build_inputs_id("t", "build", 60)
+
+
 @pytest.mark.parametrize("stack", ["CpuStack", "GpuStack"])
 def test_the_signalled_image_is_checked_protected_and_served(synth, stack):
     template = synth.templates[stack]
@@ -498,8 +505,8 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
         "ModelLatencyP90",
         "ErrorRate4xx",
         "ModelErrorRate",
-        "ModelSetupTime",
         "MemoryHigh",
+        "DiskHigh",
     }
     for alarm in alarms.values():
         assert alarm["AlarmActions"] == [{"Ref": topic_id}]
@@ -507,8 +514,11 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
         assert alarm["TreatMissingData"] == "notBreaching"
     assert alarms["ModelLatencyP90"]["ExtendedStatistic"] == "p90"
     assert alarms["ModelLatencyP90"]["Threshold"] == 20_000_000  # 20 s in microseconds
-    assert alarms["ModelSetupTime"]["MetricName"] == "ModelSetupTime"
-    assert alarms["ModelSetupTime"]["Threshold"] == 900 * 1_000_000
+    assert (alarms["DiskHigh"]["MetricName"], alarms["DiskHigh"]["Namespace"]) == (
+        "DiskUtilization",
+        "/aws/sagemaker/Endpoints",
+    )
+    assert alarms["DiskHigh"]["Threshold"] == 90
     assert "Invocation4XXErrors" in json.dumps(alarms["ErrorRate4xx"]["Metrics"])
     assert "InvocationModelErrors" in json.dumps(alarms["ModelErrorRate"]["Metrics"])
     topic = template["Resources"][topic_id]["Properties"]

@@ -106,3 +106,12 @@ def key_values(pairs: Iterable[tuple[str, float | str]], digits: int = 2) -> str
             text = str(value)
         out.append(f"{key}={text}")
     return " ".join(out)
+
+
+def model_settings(args: Any, default_model: Path) -> dict[str, Any]:
+    """The settings the benchmarks take from `--model`, `--n-gpu-layers` and `--threads` (the server
+    gets them as DECIDER_*, an in-process engine as Settings fields)."""
+    fields: dict[str, Any] = {"model_path": args.model or default_model, "n_gpu_layers": args.n_gpu_layers}
+    if args.threads:
+        fields["n_threads"] = args.threads
+    return fields

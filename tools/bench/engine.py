@@ -62,6 +62,7 @@ from tools.bench.common import (
     key_values,
     load_cases,
     max_abs_delta,
+    model_settings,
     ratio,
     request_body,
     spread,
@@ -282,7 +283,10 @@ def throughput_worker(args: argparse.Namespace) -> int:
     """Child process: shared mode and raw prefill on W1 and W2, and the many-option questions, with
     throughput kernels; JSON out."""
     settings = Settings(
-        **engine_settings(args), prompt_version=PROMPT_V1, batch_invariant=False, n_ubatch=THROUGHPUT_UBATCH
+        **model_settings(args, smollm2_path()),
+        prompt_version=PROMPT_V1,
+        batch_invariant=False,
+        n_ubatch=THROUGHPUT_UBATCH,
     )
     engine = DecisionEngine.load(settings)
     loads = workloads(engine, args)
@@ -329,13 +333,6 @@ def phase(console: Console, what: str) -> Iterator[None]:
 
 
 # --- output -------------------------------------------------------------------------------------------
-def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    settings: dict[str, Any] = {"model_path": args.model or smollm2_path(), "n_gpu_layers": args.n_gpu_layers}
-    if args.threads:
-        settings["n_threads"] = args.threads
-    return settings
-
-
 def compare(a: dict[str, Distributions], b: dict[str, Distributions]) -> tuple[int, int, float]:
     """(argmax agreements, questions, max |Δp|) over the questions b holds for each request of a."""
     same = total = 0
@@ -378,9 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     inherited_tiled = os.environ.get(TILED_ENV)
     console = Console(width=200)
 
-    settings = Settings(**engine_settings(args), prompt_version=PROMPT_V1)
+    settings = Settings(**model_settings(args, smollm2_path()), prompt_version=PROMPT_V1)
     engine = DecisionEngine.load(settings)
-    v2 = DecisionEngine.load(Settings(**engine_settings(args), prompt_version=PROMPT_V2))
+    v2 = DecisionEngine.load(Settings(**model_settings(args, smollm2_path()), prompt_version=PROMPT_V2))
     w1, w2 = workloads(engine, args)
     console.print(
         f"model {engine.model_info.id}, {settings.threads()} threads, n_ctx {settings.n_ctx}, "

@@ -48,6 +48,7 @@ from tools.bench.common import (
     key_values,
     load_cases,
     max_abs_delta,
+    model_settings,
     ratio,
     request_body,
     same_questions_group,
@@ -416,14 +417,6 @@ def print_batch(console: Console, result: BatchResult) -> None:
     console.print(table)
 
 
-def server_settings(args: argparse.Namespace, default_model: Path) -> dict[str, Any]:
-    """The settings the server and the in-process engine share (the server gets them as DECIDER_*)."""
-    fields: dict[str, Any] = {"model_path": args.model or default_model, "n_gpu_layers": args.n_gpu_layers}
-    if args.threads:
-        fields["n_threads"] = args.threads
-    return fields
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -469,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep_cases = spread(cases, args.requests)
     bodies = [request_body(case, extensions=True) for case in sweep_cases]
     questions = sum(len(case["questions"]) for case in sweep_cases)
-    fields = server_settings(args, smollm2_path())
+    fields = model_settings(args, smollm2_path())
     settings = Settings(**fields)
     env = {Settings.env_name(name): str(value) for name, value in fields.items()}
     console.print(

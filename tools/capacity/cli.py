@@ -23,7 +23,7 @@ from rich.table import Table
 
 from stacks.config import VARIANTS, AppConfig, ConfigError, container_settings, load_config
 from stacks.instances import PRICE_SOURCE
-from stacks.synth import cdk_json_context
+from stacks.synth import context_with
 from tools.capacity import planner
 
 EXIT_OK, EXIT_TOO_SLOW, EXIT_USAGE = 0, 1, 2
@@ -45,18 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(pairs: list[str]) -> AppConfig:
-    context = cdk_json_context()
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"-c expects KEY=VALUE, got {pair!r}")
-        context[key] = value
-    return load_config(context)
+    return load_config(context_with(pairs))
+
+
+def workload_of(args: argparse.Namespace) -> planner.Workload:
+    """The reference workload, unless a token count was given on the command line."""
+    reference = planner.REFERENCE_WORKLOAD
+    given = (args.p50_tokens, args.p95_tokens, args.mean_tokens)
+    if given == (reference.p50_tokens, reference.p95_tokens, reference.mean_tokens):
+        return reference
+    return planner.Workload(*given, source="command line")
 
 
 def plan(args: argparse.Namespace) -> tuple[list[dict], bool]:
     config = _config(args.context)
-    workload = planner.Workload(args.p50_tokens, args.p95_tokens, args.mean_tokens, source="command line")
+    workload = workload_of(args)
     rows, all_fit = [], True
     for name in VARIANTS if args.variant == "all" else [args.variant]:
         variant = config.variant(name)
@@ -102,9 +105,12 @@ def plan(args: argparse.Namespace) -> tuple[list[dict], bool]:
     return rows, all_fit
 
 
-def show(console: Console, rows: list[dict], headroom: float) -> None:
+def show(console: Console, rows: list[dict], headroom: float, workload: planner.Workload) -> None:
     cpu, gpu = planner.cpu_model(), planner.gpu_model_fit()
-    console.print("[bold]How[/]: time = fixed overhead + tokens / throughput, one request at a time.")
+    console.print(
+        "[bold]How[/]: time = fixed overhead + tokens / throughput, requests served back to back "
+        "(batching adds ~1x on a compute-bound CPU; not counted on a GPU either)."
+    )
     console.print(f"  latency measured: {escape(planner.GUIDE)}")
     console.print(
         f"    CPU {planner.CPU_MEASUREMENT.instance_type}: p50 {planner.CPU_MEASUREMENT.p50_s} s, "
@@ -114,7 +120,10 @@ def show(console: Console, rows: list[dict], headroom: float) -> None:
         f"    GPU {planner.GPU_MEASUREMENT.instance_type}: p50 {planner.GPU_MEASUREMENT.p50_s} s, "
         f"p95 {planner.GPU_MEASUREMENT.p95_s} s → {escape(gpu.note)}"
     )
-    console.print(f"  tokens per request: {escape(planner.REFERENCE_WORKLOAD.source)}")
+    console.print(
+        f"  tokens per request: p50 {workload.p50_tokens}, p95 {workload.p95_tokens}, "
+        f"mean {workload.mean_tokens} ({escape(workload.source)})"
+    )
     console.print(
         "  assumed: CPU time ∝ 1/vCPUs at the measured per-vCPU speed; GPU time ∝ 1/dense FP16 TFLOPS "
         "(stacks/instances.py)"
@@ -169,13 +178,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 {
                     "cpu_model": asdict(planner.cpu_model()),
                     "gpu_model": asdict(planner.gpu_model_fit()),
+                    "workload": asdict(workload_of(args)),
                     "rows": rows,
                 },
                 indent=1,
             )
         )
     else:
-        show(console, rows, args.headroom)
+        show(console, rows, args.headroom, workload_of(args))
     if not all_fit:
         Console(stderr=True).print(
             "[bold red]a configured instance type's estimated p95 is over the headroom[/]: pick a larger "

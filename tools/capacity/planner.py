@@ -18,8 +18,10 @@ overhead is taken as 0 and the throughput from the p95 point alone: the slower, 
 choice, 6.48 tokens/s per vCPU. Scaling assumptions, stated: CPU time scales with 1/vCPUs at the same
 per-vCPU speed (c7i counted as fast as the measured c6i); GPU time scales with 1/TFLOPS.
 
-The engine serves one request at a time per instance (one llama context), so an instance completes
-about 60 / mean service time requests a minute; autoscaling should target a fraction of that.
+Requests are modelled as served back to back. The engine batches concurrent requests into shared
+decodes, but a compute-bound CPU gains ~1x from that (make bench-server), and the GPU gain is not
+measured yet, so an instance is counted at about 60 / mean service time requests a minute;
+autoscaling should target a fraction of that.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from stacks.config import VARIANTS, ConfigError, load_config
-from stacks.synth import cdk_json_context
+from stacks.synth import context_with
 from tools.preflight import checks
 
 EXIT_OK, EXIT_MISSING, EXIT_USAGE = 0, 1, 2
@@ -45,13 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _target(args: argparse.Namespace, clients: dict) -> checks.Target:
-    context = cdk_json_context()
-    for pair in args.context:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"-c expects KEY=VALUE, got {pair!r}")
-        context[key] = value
-    config = load_config(context)
+    config = load_config(context_with(args.context))
     names = VARIANTS if args.variant == "all" else (args.variant,)
     account = clients["sts"].get_caller_identity()["Account"]
     return checks.Target(

@@ -113,9 +113,10 @@ def start_update(
 
 
 def protect_image(ecr: Any, image: str) -> str:
-    """Tag the image `keep-<digest>` so that an ECR lifecycle rule on `keep-` never expires it while a
-    config references it (ImageStack's repository has that rule first). Best effort: returns what
-    happened, one line; never raises for an image it cannot tag."""
+    """Tag the image `keep-<digest>` so that an ECR lifecycle rule on `keep-` never expires it
+    (ImageStack's repository has that rule first). Nothing removes the tag again, not even `prune`:
+    a digest a config once ran stays pullable until the tag is deleted by hand. Best effort: returns
+    what happened, one line; never raises for an image it cannot tag."""
     try:
         ref = image_retention.parse_image_uri(image)
     except ValueError:

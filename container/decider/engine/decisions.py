@@ -3,7 +3,7 @@
 `DecisionPlanner.plan` runs before admission (on a worker thread, never on the engine thread): it
 serializes and tokenizes each state once and each question's tail once per option order, checks
 every limit that needs the tokenizer, and counts the tokens the request will cost. The scheduler's
-`DecisionWork` then fills each item's readouts, and `DecisionPlanner.answer` turns them into the
+`DecisionWork` then fills each item's readouts, and `DecisionPlanner.respond` turns them into the
 response with the pure functions of `readout`.
 """
 
@@ -23,6 +23,7 @@ from decider.engine.prompt import PromptBuilder, StatePrompt
 from decider.engine.readout import (
     CONFIDENCE_FORMULA,
     align_to_options,
+    allowed_token_mass,
     argmax,
     average_logits,
     logsumexp,
@@ -93,7 +94,8 @@ class DecisionPlan:
 
     @property
     def cost_tokens(self) -> int:
-        """Tokens the engine will decode for this request (the cached head excluded)."""
+        """Tokens the engine will decode for this request (shared mode: the cached head excluded;
+        fresh mode: every branch decodes it again)."""
         return sum(_state_cost(state, self.mode, self.head_tokens) for state in self.states)
 
 
@@ -139,6 +141,12 @@ class DecisionPlanner:
         self.max_token_bytes = max(1, max_token_bytes)
         self._piece = piece
         self.model_id = model_id
+
+    @property
+    def room(self) -> int:
+        """Cells running work may use: the context less the cached prompt head and the invariance pad."""
+        pad = 1 if self.settings.invariant_batches else 0
+        return self.n_ctx - len(self.builder.head_tokens) - pad
 
     # --- planning ----------------------------------------------------------------------------------
     def plan(self, request: DecisionRequest) -> DecisionPlan:
@@ -245,7 +253,7 @@ class DecisionPlanner:
         for item in items:
             depth = max(len(label.tokens) for label in item.labels)
             needed = head + len(prefix) + len(item.tokens) + depth
-            if needed > self.n_ctx - 1:  # one cell stays free for the invariance pad
+            if needed - head > self.room:
                 raise RequestError(
                     f"The prompt for question {item.question.key!r} is {needed - depth} tokens; the context "
                     f"holds {self.n_ctx} ({self.settings.env_name('n_ctx')}). It is never truncated.",
@@ -426,4 +434,4 @@ def allowed_mass(item: Item) -> float:
     if item.readout == READOUT_CHAIN:
         return float(min(1.0, np.exp(logsumexp(np.asarray(label_scores(item))))))
     assert root.logsumexp is not None
-    return float(min(1.0, np.exp(logsumexp(root.logits) - root.logsumexp)))
+    return allowed_token_mass(root.logits, root.logsumexp)

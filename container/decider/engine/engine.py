@@ -248,7 +248,7 @@ class DecisionEngine:
     @property
     def chat_room(self) -> int:
         """Cells a chat may use: the context minus the cached decision head and the invariance pad."""
-        return self._rt.n_ctx - len(self.head_tokens) - (1 if self._rt.pad_seq is not None else 0)
+        return self.planner.room
 
     def chat_plan(
         self,

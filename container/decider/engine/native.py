@@ -264,10 +264,6 @@ class LlamaRuntime:
         if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, -1, -1):
             raise NativeError(f"could not remove sequence {seq_id}")
 
-    def seq_pos_max(self, seq_id: int) -> int:
-        """The last position held by a sequence, -1 when it is empty."""
-        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, seq_id))
-
     # --- decoding ------------------------------------------------------------------------------
     def _abort_requested(self, _data: Any) -> bool:
         check = self._should_abort

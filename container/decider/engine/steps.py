@@ -7,11 +7,13 @@ after the decode that carried it, while its logits are still in the context.
 Memory epochs (batch-invariant mode). llama.cpp's CPU attention visits a query's cells in cell
 order, so a token's result depends on where its context's cells lie, and llama.cpp puts new tokens
 into the lowest free cells, including holes that removed sequences left below a live prefix. To
-keep every sequence's cells in position order, nothing is freed while decisions run: the cells of
-every row are also owned by two graveyard sequences (`SeqPool.keep`), so removing a sequence
-frees no cell, and memory only grows. When no decision is running, the graveyards are dropped
-(`SeqPool.compact`) and the dead cells are freed at once. Two owners, not one: a sliding-window
-cache reuses a cell owned by a single sequence once that sequence has moved past its window.
+keep every sequence's cells in position order, nothing is freed while decision states are live:
+the cells of every row are also owned by two graveyard sequences (`SeqPool.keep`), so removing a
+sequence frees no cell, and memory only grows. When no decision state is live, the graveyards are
+dropped (`SeqPool.compact`) and the dead cells are freed at once. Two owners, not one: a
+sliding-window cache reuses a cell owned by a single sequence once that sequence has moved past its
+window. (A state too large for one epoch runs alone and frees each question's cells when it is
+read: its rows are not kept.)
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ class SeqPool:
         self.reserved = frozenset(reserved) | frozenset(graveyards)
         self._all = [seq for seq in range(n_seq_max - 1, -1, -1) if seq not in self.reserved]
         self._free = list(self._all)
-        self.capacity = len(self._all)
 
     @property
     def available(self) -> int:
@@ -86,22 +87,21 @@ class PlannedRow:
 class Step:
     """The rows of one decode, within a token budget (n_batch) and a memory-cell budget.
 
-    Works reserve the cells of a whole unit of work (a state and all its branches, a chat and its
-    longest answer) when it starts, so a started unit never waits for memory; `cells_left` is
-    what is still unreserved. `capacity` is what the context can hold at all.
+    Works reserve the cells of a whole unit of work when it starts (a state and all its branches;
+    a state too large for one epoch: its prefix and its largest question; a chat and its longest
+    answer), so a started unit never waits for memory; `cells_left` is what is still unreserved.
     """
 
     memory: Memory
     seqs: SeqPool
     tokens_left: int
     cells_left: int
-    capacity: int
     # Sequences held across steps by prefixes that still need branch sequences to finish. A new
     # prefix may start only while enough sequences stay free for each of them to open a branch.
     prefix_holders: int = 0
     starts_allowed: bool = True  # false behind a unit of work that could not start: first come, first served
-    decisions_may_start: bool = True  # false while a request too large for one epoch runs alone
-    alone_possible: bool = True  # true when no other decision has started (such a request may start)
+    decisions_may_start: bool = True  # false while a state too large for one epoch runs alone
+    alone_possible: bool = True  # no decision state holds cells: such a state may start
     rows: list[PlannedRow] = field(default_factory=list)
 
     def may_hold_prefix(self) -> bool:

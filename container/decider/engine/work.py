@@ -16,7 +16,6 @@ models cannot truncate). Fresh mode decodes each question's whole prompt in its 
 from __future__ import annotations
 
 import codecs
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ class Work(Protocol):
         ...
 
     @property
-    def exclusive(self) -> bool: ...
+    def runs_alone(self) -> bool: ...
 
     @property
     def prefix_seqs(self) -> int: ...
@@ -127,6 +126,7 @@ class _StateRun:
     decoded: int = 0
     released: int = 0
     dead: int = 0
+    opened: int = 0  # cells of the items taken from `pending` and not closed yet
     branches: list[_Branch] = field(default_factory=list)  # read, with children still to start
     filling: list[_Fill] = field(default_factory=list)  # opened, prompt not fully decoded yet
 
@@ -143,9 +143,12 @@ class _StateRun:
     def future(self) -> int:
         if not self.started or not self.open_items:
             return 0
-        if self.streaming:  # the prefix, one more branch, and what the open branch still needs
-            in_flight = sum(len(fill.tokens) - fill.planned for fill in self.filling)
-            return self.prefix_cells - self.prefilled + self.largest_item + in_flight
+        if self.streaming:
+            # Reserved: the prefix and room for its largest item (more only if several are open);
+            # what the open items have decoded already is live, not future.
+            open_decoded = self.decoded - self.prefilled - self.released
+            branches = max(self.largest_item, self.opened) - open_decoded
+            return self.prefix_cells - self.prefilled + branches
         return self.need - self.decoded
 
 
@@ -165,9 +168,8 @@ class DecisionWork:
             cells = {id(item): before + len(item.tokens) + len(item.trie.nodes) - 1 for item in state.items}
             prefix_cells = 0 if fresh else len(state.prefix)
             self.states.append(_StateRun(state, deque(state.items), len(state.items), cells, prefix_cells))
-        capacity = planner.n_ctx - len(self.head) - 1
         for run in self.states:
-            run.streaming = bool(run.item_cells) and run.need > capacity
+            run.streaming = bool(run.item_cells) and run.need > planner.room
         self.decodes = 0
         self.rows = 0
         self.timing: dict[str, float] = {}  # filled by the scheduler when the work completes
@@ -204,9 +206,9 @@ class DecisionWork:
         return any(not state.started and state.open_items for state in self.states)
 
     @property
-    def exclusive(self) -> bool:
-        """Some state cannot fit one memory epoch: the request runs with no other decision beside it."""
-        return any(state.streaming for state in self.states)
+    def runs_alone(self) -> bool:
+        """A state too large for one memory epoch is running: no other state may start beside it."""
+        return any(state.streaming and state.started and state.open_items for state in self.states)
 
     @property
     def prefix_seqs(self) -> int:
@@ -254,11 +256,11 @@ class DecisionWork:
         if not step.starts_allowed:
             return False
         if state.streaming:
-            if not step.alone_possible:
+            if not step.alone_possible or self.in_epoch:  # nothing else may hold cells beside it
                 return False
             reserve = state.prefix_cells + state.largest_item
         else:
-            if not step.decisions_may_start:
+            if not step.decisions_may_start or self.runs_alone:
                 return False
             reserve = state.need
         shared = self.plan.mode == "shared"
@@ -286,7 +288,7 @@ class DecisionWork:
         self._plan_children(state, step)
         self._plan_fills(state, step)
         base = len(self.head) + len(prefix)
-        while state.pending and step.seqs.available and step.tokens_left and self._fits(step, state):
+        while state.pending and step.tokens_left and self._fits(step, state):
             item = state.pending.popleft()
             seq = self._acquire(step)
             assert state.seq is not None
@@ -305,24 +307,32 @@ class DecisionWork:
         self._plan_children(state, step)
         self._plan_fills(state, step)
         before = [*self.head, *state.plan.prefix]
-        while state.pending and step.seqs.available and step.tokens_left and self._fits(step, state):
+        while state.pending and step.tokens_left and self._fits(step, state):
             item = state.pending.popleft()
             self._open_branch(step, state, _Fill(item, self._acquire(step), [*before, *item.tokens], 0))
 
     @staticmethod
     def _fits(step: Step, state: _StateRun) -> bool:
-        """Room for one more branch: always inside a state's reservation; a streaming state takes
-        its next branch's cells from what is free. In memory epochs a streaming state opens its
-        branches one at a time: a branch freed below a live sibling would leave a hole that the
-        sibling's next cells fill out of position order."""
-        if not state.streaming:
-            return True
-        if step.seqs.epochs and (state.filling or state.branches):
+        """Room for the next branch, and take it.
+
+        Sequences: an item with multi-token labels leaves one free for its label positions, which
+        are copies of its branch. Cells: always inside a state's reservation; a streaming state's
+        reservation holds its largest item, and only the items open beyond it take free cells. In
+        memory epochs a streaming state opens its items one at a time (label positions included):
+        a branch freed below a live sibling would leave a hole that the sibling's next cells fill
+        out of position order."""
+        item = state.pending[0]
+        if step.seqs.available < (2 if item.trie.children(()) else 1):
             return False
-        cells = state.item_cells[id(state.pending[0])]
-        if cells > step.cells_left:
-            return False
-        step.cells_left -= cells
+        cells = state.item_cells[id(item)]
+        if state.streaming:
+            if step.seqs.epochs and state.open_items > len(state.pending):
+                return False
+            extra = max(0, state.opened + cells - max(state.largest_item, state.opened))
+            if extra > step.cells_left:
+                return False
+            step.cells_left -= extra
+        state.opened += cells
         return True
 
     def _open_branch(self, step: Step, state: _StateRun, fill: _Fill) -> None:
@@ -393,6 +403,7 @@ class DecisionWork:
         item = branch.item
         if len(item.outputs) == len(item.trie.nodes) and not any(b.item is item for b in state.branches):
             self._release(step.seqs, state, state.item_cells[id(item)], kept=not state.streaming)
+            state.opened -= state.item_cells[id(item)]
             state.open_items -= 1
             if state.open_items == 0:
                 self._release(step.seqs, state, state.prefix_cells)
@@ -422,6 +433,7 @@ class DecisionWork:
             state.seq = None
             state.pending.clear()
             state.open_items = 0
+            state.opened = 0
             self._release(seqs, state, state.decoded - state.released)
 
 
@@ -470,14 +482,13 @@ class ChatWork:
         self._sampler: Any = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopFilter(plan.stop)
-        self.first_token_at: float | None = None
 
     @property
     def cost_tokens(self) -> int:
         return self.plan.cost_tokens
 
     prefix_seqs = 0  # a generation never waits for another sequence
-    exclusive = False
+    runs_alone = False
     in_epoch = False  # its cells are its own: an epoch may end while it runs
 
     @property
@@ -564,8 +575,6 @@ class ChatWork:
         assert done.result is not None
         runtime: Sampling = step.memory  # type: ignore[assignment]
         token = runtime.sample(self._sampler, done.result.batch_index)
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
         if runtime.is_eog(token):
             self._end(step, "stop")
             return

@@ -247,13 +247,14 @@ def _content(value: Any, *, param: str, what: str, empty_code: str = "empty_text
         _check_json(value, code="invalid_text", param=param)
         return value
     raise RequestError(
-        f"{what} must be a string, an object or an array, not {_kind(value)}.",
+        f"{what} must be a string, an object or an array, not {json_kind(value)}.",
         code="invalid_text",
         param=param,
     )
 
 
-def _kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """How a JSON value is named in an error message ("a string", "null", ...)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -272,7 +273,7 @@ def _kind(value: Any) -> str:
 def _state(state: Any, param: str = "state") -> JSONContent:
     if not isinstance(state, str | dict | list):
         raise RequestError(
-            f"`{param}` must be a non-empty string, object or array, not {_kind(state)}.",
+            f"`{param}` must be a non-empty string, object or array, not {json_kind(state)}.",
             code="invalid_state",
             param=param,
         )
@@ -377,7 +378,7 @@ def _question(key: str, raw: Any, max_options: int) -> Question:
         raise RequestError("A question key is empty.", code="invalid_question", param=param)
     if not isinstance(raw, dict):
         raise RequestError(
-            f"Each question must be an object, not {_kind(raw)}.", code="invalid_question", param=param
+            f"Each question must be an object, not {json_kind(raw)}.", code="invalid_question", param=param
         )
     if dupes := _duplicates(raw):
         raise RequestError(
@@ -412,7 +413,7 @@ def _question(key: str, raw: Any, max_options: int) -> Question:
 def _body_object(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise RequestError(
-            f"The body must be a JSON object, not {_kind(obj)}.", code="invalid_body", param=None
+            f"The body must be a JSON object, not {json_kind(obj)}.", code="invalid_body", param=None
         )
     if dupes := _duplicates(obj):
         raise RequestError(f"Field {dupes[0]!r} appears more than once.", code="invalid_body", param=dupes[0])

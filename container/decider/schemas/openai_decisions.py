@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from decider.errors import DeciderError, Loc, RequestError
-from decider.schemas.decision import DecisionRequest, DecisionResponse, parse_decision_request
+from decider.schemas.decision import DecisionRequest, DecisionResponse, json_kind, parse_decision_request
 
 OPENAI_MAX_QUESTIONS = 400  # "Ask 1–400 questions" (the SDK's docstring)
 OPENAI_MIN_CHOICES, OPENAI_MAX_OPTIONS = 2, 255  # "Provide between 2 and 255 choices"
@@ -55,19 +55,9 @@ def _error(message: str, code: str, *loc: str | int) -> RequestError:
     return RequestError(message, code=code, param=loc or None)
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
-
-
 def _object(value: Any, what: str, *loc: str | int) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _error(f"{what} must be an object, not {_kind(value)}.", "invalid_parameter", *loc)
+        raise _error(f"{what} must be an object, not {json_kind(value)}.", "invalid_parameter", *loc)
     if duplicates := list(getattr(value, "duplicate_keys", [])):
         raise _error(f"Field {duplicates[0]!r} appears more than once.", "invalid_parameter", *loc)
     return value
@@ -80,7 +70,7 @@ def _string(obj: dict[str, Any], field: str, *loc: str | int, required: bool = T
         return None
     value = obj[field]
     if not isinstance(value, str):
-        raise _error(f"`{field}` must be a string, not {_kind(value)}.", "invalid_parameter", *loc, field)
+        raise _error(f"`{field}` must be a string, not {json_kind(value)}.", "invalid_parameter", *loc, field)
     return value
 
 
@@ -99,7 +89,9 @@ def _parts(value: Any, allowed: frozenset[str], *loc: str | int) -> Any:
         return value
     if not isinstance(value, list) or not value:
         raise _error(
-            f"Expected a string or a non-empty array of parts, not {_kind(value)}.", "invalid_parameter", *loc
+            f"Expected a string or a non-empty array of parts, not {json_kind(value)}.",
+            "invalid_parameter",
+            *loc,
         )
     rendered: list[Any] = []
     for index, raw in enumerate(value):
@@ -138,7 +130,7 @@ def _input(value: Any) -> Any:
         return value
     if not isinstance(value, list) or not value:
         raise _error(
-            f"`input` must be a non-empty string or array of items, not {_kind(value)}.",
+            f"`input` must be a non-empty string or array of items, not {json_kind(value)}.",
             "invalid_input",
             "input",
         )
@@ -227,7 +219,7 @@ def _options(question: dict[str, Any], qtype: OpenAIType, loc: Loc) -> _Options:
     if raw is None:
         raise _error(f"A {qtype} question needs `{field}`.", "missing_field", *loc, field)
     if not isinstance(raw, list):
-        raise _error(f"`{field}` must be an array, not {_kind(raw)}.", "invalid_parameter", *loc, field)
+        raise _error(f"`{field}` must be an array, not {json_kind(raw)}.", "invalid_parameter", *loc, field)
     low = OPENAI_MIN_CHOICES if qtype == "choice" else 1
     if len(raw) < low:
         raise _error(
@@ -254,7 +246,7 @@ def _options(question: dict[str, Any], qtype: OpenAIType, loc: Loc) -> _Options:
             value = option["value"]
             if not isinstance(value, str | bool):
                 raise _error(
-                    f"`value` must be a string or a boolean, not {_kind(value)}.",
+                    f"`value` must be a string or a boolean, not {json_kind(value)}.",
                     "invalid_parameter",
                     *loc,
                     field,
@@ -414,7 +406,7 @@ def parse_openai_decision_request(
 ) -> OpenAIDecision:
     """Validate a parsed `/v1/decisions` body; every error is a `RequestError` naming the OpenAI field."""
     if not isinstance(obj, dict):
-        raise RequestError(f"The body must be a JSON object, not {_kind(obj)}.", code="invalid_body")
+        raise RequestError(f"The body must be a JSON object, not {json_kind(obj)}.", code="invalid_body")
     body = _object(obj, "The body")
     if "input" not in body:
         raise _error("`input` is required.", "missing_field", "input")

@@ -108,9 +108,11 @@ async def handle_openai_decision(runtime: ServerRuntime, request: Request, body:
     """`POST /v1/decisions` (OpenAI's Decisions API, `client.decisions.create`): translated to the
     same decision request, planned, batched and answered the same way."""
     engine = runtime.require_engine()
-    translated = parse_openai_decision_request(body, **_limits(runtime))
+    translated: Any = None
 
     def prepare() -> Any:
+        nonlocal translated
+        translated = parse_openai_decision_request(body, **_limits(runtime))
         try:
             return engine.plan_decision(translated.request)
         except RequestError as exc:  # engine limits name internal fields: point them at OpenAI's

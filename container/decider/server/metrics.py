@@ -58,7 +58,7 @@ class ServerMetrics:
             "decider_queue_depth", "Admitted requests waiting for the model.", registry=r
         )
         self.engine_busy = Gauge(
-            "decider_engine_busy", "1 while the model is working on a request.", registry=r
+            "decider_engine_busy", "Requests the model has started and not finished.", registry=r
         )
         self.queue_wait = Histogram(
             "decider_queue_wait_seconds",

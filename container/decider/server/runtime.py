@@ -1,9 +1,10 @@
 """The server's model state: loading in the background, ready, failed or stopping.
 
 The HTTP server listens at once (SageMaker expects connections within 250 ms) while the model
-loads on the engine thread. `/ping` turns 200 only after the load, which includes the engine's
-slot verification, has succeeded. A load failure is fatal: it is logged as one line and the
-process exits non-zero (see `decider.cli`), so a broken model never reports healthy.
+loads on the engine thread. `/ping` turns 200 only after the load (including the label checks
+and the decode of the cached prompt head) has succeeded. A load failure is fatal: it is logged
+as one line and the process exits non-zero (see `decider.cli`), so a broken model never reports
+healthy.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 from decider.errors import StartupError, UnavailableError
 from decider.server.metrics import ServerMetrics
-from decider.server.scheduler import Backend, Scheduler
+from decider.server.scheduler import Backend, Scheduler, shutting_down
 from decider.settings import Settings
 
 log = logging.getLogger("decider.server")
@@ -92,6 +93,8 @@ class ServerRuntime:
         def load() -> None:
             try:
                 engine = self._loader(self.settings)
+                if self.state != "stopping":
+                    self.scheduler.attach(engine.runtime, engine.head_tokens)  # decodes the prompt head
             except BaseException as exc:  # everything here is fatal: report it as one line
                 self.state = "failed"
                 self.failure = describe_failure(exc)
@@ -100,7 +103,6 @@ class ServerRuntime:
                 return
             if self.state == "stopping":
                 return
-            self.scheduler.attach(engine.runtime, engine.head_tokens)
             self.engine = engine
             self.loaded_at = time.time()
             self.state = "ready"
@@ -117,9 +119,7 @@ class ServerRuntime:
         if self.state == "ready" and self.engine is not None:
             return self.engine
         if self.state == "stopping":
-            raise UnavailableError(
-                "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"}
-            )
+            raise shutting_down()
         if self.state == "failed":
             raise UnavailableError(
                 f"the model failed to load: {self.failure}", code="model_unavailable", retryable=False

@@ -93,7 +93,6 @@ class Job:
     admitted_at: float
     cost_tokens: int = 0
     started_at: float | None = None
-    completed_at: float | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -171,7 +170,7 @@ class Scheduler:
         epoch_cells: int | None = None,
     ) -> None:
         self.queue_size = queue_size
-        self.epoch_cells = epoch_cells  # None: memory epochs end only when the context is full
+        self.epoch_cells = epoch_cells  # None: no cap on the decision starts of a memory epoch
         self.deadline_seconds = deadline_seconds
         self._metrics = metrics
         self._cond = threading.Condition()
@@ -188,7 +187,6 @@ class Scheduler:
         self._head_ready = False
         self.seconds_per_token: float | None = None  # recent decode cost (EWMA): for waits
         self._recent_rates: deque[float] = deque(maxlen=RATE_WINDOW)  # for "cannot fit even idle"
-        self.decodes = 0
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -202,10 +200,10 @@ class Scheduler:
         return future
 
     def attach(self, backend: Backend, head_tokens: list[int]) -> None:
-        """Start batching on a loaded model (called on the engine thread, after the load).
+        """Start batching on a loaded model, after the load (on the engine thread in the server).
 
         Batch-invariant models (those with an invariance pad) run in memory epochs: two sequences
-        become the graveyards that keep every cell until no decision runs (see decider.engine.steps).
+        become the graveyards that keep every cell until no decision state is live (decider.engine.steps).
         """
         n = backend.n_seq_max
         if backend.pad_seq is None:
@@ -217,12 +215,6 @@ class Scheduler:
         self._decode_head(backend)  # before /ping turns 200: the first request does not pay for it
 
     # --- admission (event loop) ----------------------------------------------------------------
-    @property
-    def waiting(self) -> int:
-        """Admitted requests that have not started on the engine yet."""
-        with self._cond:
-            return sum(1 for job in self._admitted if job.started_at is None)
-
     def admit(self, kind: str, request_id: str, cost_tokens: int = 0) -> Job:
         """Admit a request or refuse it at once (429 queue full, 503 deadline unreachable or stopping,
         422 when it cannot finish in time even alone)."""
@@ -307,9 +299,11 @@ class Scheduler:
             done, _ = await asyncio.wait({waiter}, timeout=job.remaining() + 0.05)  # never cancels it
         except asyncio.CancelledError:
             job.cancel()
+            _ignore_outcome(waiter)
             raise
         if not done:
             job.cancel()
+            _ignore_outcome(waiter)
             if not (future.done() and future.exception() is None):
                 raise deadline_error(job, self.deadline_seconds)
         return future.result()
@@ -388,7 +382,7 @@ class Scheduler:
         return self._dead_removed + sum(r.work.dead_cells - r.dead_base for r in self._works)
 
     def _maybe_compact(self, backend: Backend) -> None:
-        """End the memory epoch when no decision is running: free every dead cell at once."""
+        """End the memory epoch when no decision state is live: free every dead cell at once."""
         assert self._seqs is not None
         if not self._seqs.epochs or not self._dead_cells():
             return
@@ -415,8 +409,7 @@ class Scheduler:
         assert self._seqs is not None
         held = sum(r.work.live_cells + r.work.future_cells for r in self._works) + self._dead_cells()
         fixed = len(self._head) + (1 if backend.pad_seq is not None else 0)
-        capacity = backend.n_ctx - fixed
-        step = Step(backend, self._seqs, backend.n_batch, capacity - held, capacity)
+        step = Step(backend, self._seqs, backend.n_batch, backend.n_ctx - fixed - held)
         step.prefix_holders = sum(r.work.prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()
         now = time.monotonic()
@@ -427,11 +420,9 @@ class Scheduler:
         for running in order:
             if step.tokens_left <= 0:
                 break
-            live = [r for r in self._works if r.work.in_epoch]
-            alone = any(r.work.exclusive for r in live)
             step.starts_allowed = not (waiting_ahead or epoch_full)
-            step.decisions_may_start = not alone or running.work.exclusive
-            step.alone_possible = all(r is running for r in live)
+            step.decisions_may_start = not any(r.work.runs_alone for r in self._works)
+            step.alone_possible = not any(r.work.in_epoch for r in self._works)
             before = len(step.rows)
             running.work.plan_step(step)
             waiting_ahead = waiting_ahead or running.work.wants_start
@@ -452,7 +443,6 @@ class Scheduler:
         completed = self._decode_split(backend, step.rows, should_abort)
         elapsed = time.monotonic() - started
         tokens = step.token_count
-        self.decodes += 1
         self._metrics.decodes.inc()
         self._metrics.decode_rows.observe(len(step.rows))
         self._metrics.decode_tokens.observe(tokens)
@@ -469,6 +459,9 @@ class Scheduler:
     ) -> bool:
         """Decode `rows`; when no memory slot is free for all of them, halve and retry each half.
         False when a decode was aborted or a row could not be placed."""
+        rows = [planned for planned in rows if self._running_of(planned.work) is not None]
+        if not rows:  # every row belonged to a work that failed in an earlier half: its sequences are free
+            return False
         try:
             backend.decode([planned.row for planned in rows], should_abort=should_abort)
         except KvCacheFullError:
@@ -526,7 +519,6 @@ class Scheduler:
             if not running.work.finished:
                 continue
             job = running.job
-            job.completed_at = now
             with self._cond:
                 self._works.remove(running)
                 self._dead_removed += running.work.dead_cells - running.dead_base
@@ -604,12 +596,17 @@ class Scheduler:
             self._update_gauges_locked()
         for running in failed:
             running.job.cancel()
-            _resolve(running.future, error=error)
+            self._abandon(running, error)  # frees a chat's sampler; the sequences go with the clear
         backend.clear()
         assert self._seqs is not None
         self._seqs.reset()
         self._dead_removed = 0
         self._head_ready = False
+
+
+def _ignore_outcome(waiter: asyncio.Future[Any]) -> None:
+    """No one awaits `waiter` any more: retrieve its eventual error, so asyncio logs nothing."""
+    waiter.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def _retry_after(predicted_wait: float) -> int:
