@@ -235,6 +235,13 @@ class AlarmConfig(_Strict):
         le=100,
         description="InvocationModelErrors (any non-2xx answer or timeout) / Invocations in % (2 of 3).",
     )
+    model_setup_time_s: int = Field(
+        900,
+        ge=1,
+        le=3600,
+        description="ModelSetupTime that notifies (SageMaker documents it for serverless endpoints; an "
+        "instance-backed variant may never report it).",
+    )
     disk_percent: float = Field(
         90.0, gt=0, le=100, description="DiskUtilization of an instance (model, logs) that notifies (5 min)."
     )

@@ -3,8 +3,9 @@
 Two alarms roll a deployment back: the 5xx *rate* (metric math over Invocations, so a background
 error rate on a busy endpoint does not roll back every deploy, and a single error in a quiet minute
 does not either) and the model latency p90. The others notify only: the 4xx rate, the model error
-rate (InvocationModelErrors: any non-2xx answer, socket error or timeout), memory and disk. (Not
-ModelSetupTime: SageMaker publishes it for serverless endpoints only, and these are instance-backed.)
+rate (InvocationModelErrors: any non-2xx answer, socket error or timeout), ModelSetupTime, memory
+and disk. SageMaker documents ModelSetupTime for serverless endpoints; on these instance-backed ones
+it may never be reported, and that alarm then stays OK (missing data is not breaching).
 Every alarm sends ALARM and OK to the stack's SNS topic.
 
 The alarms' dimensions use the (stable, configured) endpoint name rather than a reference to the
@@ -188,6 +189,17 @@ class EndpointAlarms(Construct):
             datapoints_to_alarm=2,
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
+        self.setup_time = cw.Alarm(
+            self,
+            "ModelSetupTime",
+            alarm_description=f"{name}: launching compute and loading the model took longer than "
+            f"{thresholds.model_setup_time_s} s.",
+            metric=invocation_metric("ModelSetupTime", variant, "Maximum"),  # in microseconds
+            threshold=thresholds.model_setup_time_s * 1_000_000,
+            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+            evaluation_periods=1,
+            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+        )
         self.disk = cw.Alarm(
             self,
             "DiskHigh",
@@ -225,6 +237,7 @@ class EndpointAlarms(Construct):
             self.latency,
             self.client_errors,
             self.model_errors,
+            self.setup_time,
             self.memory,
             self.disk,
         ]

@@ -52,7 +52,7 @@ EXPECTED_RESOURCES = {
         "AWS::SageMaker::Endpoint": 1,
         "AWS::ApplicationAutoScaling::ScalableTarget": 1,
         "AWS::ApplicationAutoScaling::ScalingPolicy": 1,
-        "AWS::CloudWatch::Alarm": 6,
+        "AWS::CloudWatch::Alarm": 7,
         "AWS::CloudWatch::Dashboard": 1,
     },
 }
@@ -505,6 +505,7 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
         "ModelLatencyP90",
         "ErrorRate4xx",
         "ModelErrorRate",
+        "ModelSetupTime",
         "MemoryHigh",
         "DiskHigh",
     }
@@ -519,6 +520,7 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
         "/aws/sagemaker/Endpoints",
     )
     assert alarms["DiskHigh"]["Threshold"] == 90
+    assert alarms["ModelSetupTime"]["Threshold"] == 900 * 1_000_000
     assert "Invocation4XXErrors" in json.dumps(alarms["ErrorRate4xx"]["Metrics"])
     assert "InvocationModelErrors" in json.dumps(alarms["ModelErrorRate"]["Metrics"])
     topic = template["Resources"][topic_id]["Properties"]
