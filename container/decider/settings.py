@@ -108,7 +108,7 @@ class Settings(BaseSettings):
     epoch_cells: PositiveInt | None = Field(
         None,
         description="With batch_invariant: once decisions hold this many cells (in use, or released and "
-        "not yet freed), no new decision starts until the running ones end their memory epoch. CPU "
+        "not yet freed), nothing new starts until the running decisions end their memory epoch. CPU "
         "attention scans every cell up to the highest one in use, so a smaller span is faster under "
         "concurrency (8 clients: 0.93x the 1-client throughput at 4096 against 0.84x unbounded). "
         "Default: half of n_ctx.",

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from decider.engine.native import NativeError
 from decider.server.app import create_app
 from decider.settings import Settings
 from openai.types import Decision
@@ -117,6 +118,25 @@ def test_failed_load_is_reported_once_and_never_healthy() -> None:
         response = client.get("/ping")
         assert response.status_code == 503
         assert response.json()["status"] == "failed"
+
+
+def test_a_failure_decoding_the_prompt_head_is_fatal_too() -> None:
+    """The head is decoded after the load, before /ping turns 200: its failure is a start-up failure."""
+    failures: list[str] = []
+    engine = FakeEngine()
+    engine.head_tokens = [1, 2, 3]
+
+    def failing(*_: object, **__: object) -> None:
+        raise NativeError("llama_decode returned -1")
+
+    engine.runtime.decode = failing  # type: ignore[method-assign]
+    app = create_app(_settings(), loader=lambda _: engine, on_fatal=failures.append)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 5
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(failures) == 1 and "llama_decode returned -1" in failures[0]
+        assert client.get("/ping").json()["status"] == "failed"
 
 
 # --- routing ---------------------------------------------------------------------------------------

@@ -395,10 +395,10 @@ class Scheduler:
             running.dead_base = running.work.dead_cells
 
     def _epoch_full(self) -> bool:
-        """The memory epoch has grown to `epoch_cells`: let its decisions finish, start none.
+        """The memory epoch has grown to `epoch_cells`: let its decisions finish, start nothing new.
 
-        Counted are the cells compaction could free or must keep (decisions and the graveyards), not
-        a long chat's, so a generation never holds decisions back."""
+        Counted: the decisions' cells and every released cell not yet freed. Not counted: a running
+        chat's own cells, so a long generation never holds decisions back."""
         if self.epoch_cells is None or not self._seqs or not self._seqs.epochs:
             return False
         decisions = (r.work for r in self._works if r.work.kind == "decision")
