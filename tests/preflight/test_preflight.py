@@ -244,3 +244,61 @@ def test_the_blue_green_peak_counts_the_retained_fleet():
     assert checks.peak_instances(config.cpu) == 2 * config.cpu.max_capacity
     manual = load_config({**cdk_json_context(), "cpu.autoscaling": "false"}).cpu
     assert checks.peak_instances(manual) == 2 * manual.initial_instance_count
+
+
+def test_instances_of_other_endpoints_instance_pools_are_counted_per_type(aws):
+    aws["clients"]["sts"].get_caller_identity()  # the fixture's identity call (the CLI makes it)
+    aws["sagemaker"].add_response(
+        "list_endpoints",
+        {
+            "Endpoints": [
+                {
+                    "EndpointName": "pooled",
+                    "EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/pooled",
+                    "CreationTime": NOW,
+                    "LastModifiedTime": NOW,
+                    "EndpointStatus": "InService",
+                }
+            ]
+        },
+    )
+    pools = [
+        {"InstanceType": "ml.g6e.xlarge", "CurrentInstanceCount": 2},
+        {"InstanceType": "ml.g5.xlarge", "CurrentInstanceCount": 1},
+    ]
+    aws["sagemaker"].add_response(
+        "describe_endpoint",
+        {
+            "EndpointName": "pooled",
+            "EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/pooled",
+            "EndpointConfigName": "pooled-config",
+            "EndpointStatus": "InService",
+            "CreationTime": NOW,
+            "LastModifiedTime": NOW,
+            "ProductionVariants": [
+                {"VariantName": "AllTraffic", "CurrentInstanceCount": 3, "InstancePools": pools}
+            ],
+        },
+        {"EndpointName": "pooled"},
+    )
+    aws["sagemaker"].add_response(
+        "describe_endpoint_config",
+        {
+            "EndpointConfigName": "pooled-config",
+            "EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/pooled-config",
+            "CreationTime": NOW,
+            "ProductionVariants": [
+                {
+                    "VariantName": "AllTraffic",
+                    "ModelName": "m",
+                    "InstancePools": [
+                        {"InstanceType": "ml.g6e.xlarge", "Priority": 1},
+                        {"InstanceType": "ml.g5.xlarge", "Priority": 2},
+                    ],
+                }
+            ],
+        },
+        {"EndpointConfigName": "pooled-config"},
+    )
+    usage = checks.other_usage(aws["clients"]["sagemaker"], {"decider-cpu", "decider-gpu"})
+    assert usage == {"ml.g6e.xlarge": 2, "ml.g5.xlarge": 1}

@@ -92,11 +92,16 @@ def other_usage(sagemaker: Any, own_endpoints: set[str]) -> dict[str, int]:
             config = sagemaker.describe_endpoint_config(EndpointConfigName=endpoint["EndpointConfigName"])
             types = {v["VariantName"]: v.get("InstanceType") for v in config.get("ProductionVariants", [])}
             for variant in endpoint.get("ProductionVariants", []):
-                instance_type = types.get(variant["VariantName"])
-                if instance_type:
-                    usage[instance_type] = usage.get(instance_type, 0) + int(
-                        variant.get("CurrentInstanceCount", 0)
-                    )
+                # A variant with instance pools reports its instances per pool (InstancePoolSummary).
+                if variant.get("InstancePools"):
+                    running = [
+                        (p["InstanceType"], p["CurrentInstanceCount"]) for p in variant["InstancePools"]
+                    ]
+                else:
+                    running = [(types.get(variant["VariantName"]), variant.get("CurrentInstanceCount", 0))]
+                for instance_type, count in running:
+                    if instance_type:
+                        usage[instance_type] = usage.get(instance_type, 0) + int(count)
     return usage
 
 
