@@ -356,6 +356,30 @@ def test_a_full_memory_halves_the_decode_and_one_unplaceable_row_fails_alone() -
     scheduler.close()
 
 
+def test_after_a_row_fails_its_request_the_request_s_other_rows_are_not_decoded() -> None:
+    """Halving a full decode: once a request fails on one row, its rows in the other half are dropped
+    (their sequences went back to the pool) rather than decoded into sequence ids others may take."""
+    engine = FakeEngine()
+    decode = engine.runtime.decode
+    decoded: list[list[int]] = []
+
+    def one_row_at_a_time(rows: list[Row], **kwargs: Any) -> None:
+        if len(rows) > 1 or any(ord("§") in row.tokens for row in rows):
+            raise KvCacheFullError("no slot")
+        decode(rows, **kwargs)
+        decoded.extend(list(row.tokens) for row in rows)
+
+    engine.runtime.decode = one_row_at_a_time  # type: ignore[method-assign]
+    scheduler = _scheduler(engine)
+    body = {"states": ["§ cannot be placed", "¤ would fit"], "questions": {"q": {"type": "noul"}}}
+    work = engine.decision_work(engine.plan_batch(parse_batch_request(body)))
+    error = scheduler.submit(_job(), work).exception(5)
+    assert isinstance(error, UnavailableError) and error.code == "kv_cache_full"
+    assert not any(ord("¤") in tokens for tokens in decoded)
+    assert scheduler.submit(_job(), _work(engine)).result(5).answers  # still serving
+    scheduler.close()
+
+
 def test_a_backend_failure_fails_the_running_requests_and_the_server_recovers() -> None:
     engine = FakeEngine()
     decode = engine.runtime.decode
