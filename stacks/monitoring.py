@@ -137,110 +137,102 @@ class EndpointAlarms(Construct):
         thresholds = variant.alarms
         name = variant.endpoint_name
         self.topic = AlarmTopic(self, "Notify", variant=variant).topic
-        self.error_rate = cw.Alarm(
-            self,
+        self.all_alarms: list[cw.Alarm] = []
+        self.error_rate = self._above(
             "ErrorRate5xx",
-            alarm_description=f"{name}: more than {thresholds.error_rate_percent:g} % of invocations "
+            f"{name}: more than {thresholds.error_rate_percent:g} % of invocations "
             f"answered 5xx in 2 of 3 minutes (minutes with fewer than "
             f"{thresholds.error_rate_min_invocations} invocations count as 0). Rolls back a deployment "
             "in progress.",
-            metric=error_rate("Invocation5XXErrors", variant, "5xx error rate (%)"),
-            threshold=thresholds.error_rate_percent,
-            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            evaluation_periods=3,
-            datapoints_to_alarm=2,
-            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+            error_rate("Invocation5XXErrors", variant, "5xx error rate (%)"),
+            thresholds.error_rate_percent,
+            periods=3,
+            datapoints=2,
         )
-        self.latency = cw.Alarm(
-            self,
+        self.latency = self._above(
             "ModelLatencyP90",
-            alarm_description=f"{name}: model latency p90 above {thresholds.latency_p90_ms} ms "
+            f"{name}: model latency p90 above {thresholds.latency_p90_ms} ms "
             "in 2 of 3 minutes. Rolls back a deployment in progress.",
-            # ModelLatency is reported in microseconds.
-            metric=invocation_metric("ModelLatency", variant, "p90"),
-            threshold=thresholds.latency_p90_ms * 1000,
-            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            evaluation_periods=3,
-            datapoints_to_alarm=2,
-            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+            invocation_metric("ModelLatency", variant, "p90"),
+            thresholds.latency_p90_ms * 1000,  # ModelLatency is reported in microseconds
+            periods=3,
+            datapoints=2,
         )
-        self.client_errors = cw.Alarm(
-            self,
+        self._above(
             "ErrorRate4xx",
-            alarm_description=f"{name}: more than {thresholds.client_error_rate_percent:g} % of invocations "
+            f"{name}: more than {thresholds.client_error_rate_percent:g} % of invocations "
             "answered 4xx in 2 of 3 minutes: callers send requests the endpoint refuses (see the error "
             "codes in the endpoint's logs).",
-            metric=error_rate("Invocation4XXErrors", variant, "4xx error rate (%)"),
-            threshold=thresholds.client_error_rate_percent,
-            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            evaluation_periods=3,
-            datapoints_to_alarm=2,
-            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+            error_rate("Invocation4XXErrors", variant, "4xx error rate (%)"),
+            thresholds.client_error_rate_percent,
+            periods=3,
+            datapoints=2,
         )
-        self.model_errors = cw.Alarm(
-            self,
+        self._above(
             "ModelErrorRate",
-            alarm_description=f"{name}: more than {thresholds.model_error_rate_percent:g} % of invocations "
+            f"{name}: more than {thresholds.model_error_rate_percent:g} % of invocations "
             "got no 2xx from the container (any error status, socket error or timeout) in 2 of 3 minutes.",
-            metric=error_rate("InvocationModelErrors", variant, "model error rate (%)"),
-            threshold=thresholds.model_error_rate_percent,
-            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            evaluation_periods=3,
-            datapoints_to_alarm=2,
-            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+            error_rate("InvocationModelErrors", variant, "model error rate (%)"),
+            thresholds.model_error_rate_percent,
+            periods=3,
+            datapoints=2,
         )
-        self.setup_time = cw.Alarm(
-            self,
+        self._above(
             "ModelSetupTime",
-            alarm_description=f"{name}: launching compute and loading the model took longer than "
+            f"{name}: launching compute and loading the model took longer than "
             f"{thresholds.model_setup_time_s} s.",
-            metric=invocation_metric("ModelSetupTime", variant, "Maximum"),  # in microseconds
-            threshold=thresholds.model_setup_time_s * 1_000_000,
-            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            evaluation_periods=1,
-            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
+            invocation_metric("ModelSetupTime", variant, "Maximum"),
+            thresholds.model_setup_time_s * 1_000_000,  # in microseconds
+            periods=1,
         )
-        self.disk = cw.Alarm(
-            self,
-            "DiskHigh",
-            alarm_description=f"{name}: instance disk above {thresholds.disk_percent:g} % for 5 minutes "
-            "(the space the container uses on the instance, the model included).",
-            metric=instance_metric("DiskUtilization", variant, "Maximum"),
-            threshold=thresholds.disk_percent,
-            comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            evaluation_periods=5,
-            treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
-        )
-        self.memory = cw.Alarm(
-            self,
+        self._above(
             "MemoryHigh",
-            alarm_description=f"{name}: instance memory above 90 % for 5 minutes.",
-            metric=instance_metric("MemoryUtilization", variant, "Maximum"),
-            threshold=90,
+            f"{name}: instance memory above 90 % for 5 minutes.",
+            instance_metric("MemoryUtilization", variant, "Maximum"),
+            90,
+            periods=5,
+        )
+        self._above(
+            "DiskHigh",
+            f"{name}: instance disk above {thresholds.disk_percent:g} % for 5 minutes "
+            "(the space the container uses on the instance, the model included).",
+            instance_metric("DiskUtilization", variant, "Maximum"),
+            thresholds.disk_percent,
+            periods=5,
+        )
+
+    def _above(
+        self,
+        construct_id: str,
+        description: str,
+        metric: cw.IMetric,
+        threshold: float,
+        *,
+        periods: int,
+        datapoints: int | None = None,
+    ) -> cw.Alarm:
+        """An alarm on `metric` above `threshold` (missing data is not breaching), sending ALARM and
+        OK to the topic."""
+        alarm = cw.Alarm(
+            self,
+            construct_id,
+            alarm_description=description,
+            metric=metric,
+            threshold=threshold,
             comparison_operator=cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
-            evaluation_periods=5,
+            evaluation_periods=periods,
+            datapoints_to_alarm=datapoints,
             treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
         )
         action = cw_actions.SnsAction(self.topic)
-        for alarm in self.all_alarms:
-            alarm.add_alarm_action(action)
-            alarm.add_ok_action(action)
+        alarm.add_alarm_action(action)
+        alarm.add_ok_action(action)
+        self.all_alarms.append(alarm)
+        return alarm
 
     @property
     def rollback_alarms(self) -> list[cw.Alarm]:
         return [self.error_rate, self.latency]
-
-    @property
-    def all_alarms(self) -> list[cw.Alarm]:
-        return [
-            self.error_rate,
-            self.latency,
-            self.client_errors,
-            self.model_errors,
-            self.setup_time,
-            self.memory,
-            self.disk,
-        ]
 
 
 class EndpointDashboard(Construct):

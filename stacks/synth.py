@@ -31,18 +31,26 @@ def cdk_json_context(path: Path = CDK_JSON) -> dict[str, Any]:
     return dict(json.loads(path.read_text(encoding="utf-8")).get("context", {}))
 
 
-def context_with(pairs: list[str]) -> dict[str, Any]:
-    """cdk.json's context with `-c KEY=VALUE` overrides applied (values as strings, as the cdk CLI
-    passes them). Raises stacks.config.ConfigError for a pair without a key or an `=`."""
-    from stacks.config import ConfigError
-
-    context = cdk_json_context()
+def parse_context(pairs: list[str]) -> dict[str, str]:
+    """`-c key=value` pairs (dotted keys allowed), as strings, exactly like the cdk CLI passes them.
+    Raises ValueError for a pair without a key or an `=`."""
+    context: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ConfigError(f"-c expects KEY=VALUE, got {pair!r}")
+            raise ValueError(f"-c expects KEY=VALUE, got {pair!r}")
         context[key] = value
     return context
+
+
+def context_with(pairs: list[str]) -> dict[str, Any]:
+    """cdk.json's context with `-c KEY=VALUE` overrides applied; stacks.config.ConfigError for a bad pair."""
+    from stacks.config import ConfigError
+
+    try:
+        return {**cdk_json_context(), **parse_context(pairs)}
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stacks import synth as stacks_synth
+
 WORKER = Path(__file__).with_name("synth_worker.py")
 STACK_ARTIFACT = "aws:cloudformation:stack"
 NESTED_ASSEMBLY = "cdk:cloud-assembly"
@@ -47,14 +49,11 @@ def cdk_json_context(tree: Path) -> dict[str, Any]:
 
 
 def parse_context(pairs: list[str]) -> dict[str, str]:
-    """`-c key=value` pairs (dotted keys allowed), as strings, exactly like the cdk CLI passes them."""
-    context: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SynthError(f"context expects KEY=VALUE, got {pair!r}")
-        context[key] = value
-    return context
+    """`-c key=value` pairs as the cdk CLI passes them (stacks.synth.parse_context); SynthError if bad."""
+    try:
+        return stacks_synth.parse_context(pairs)
+    except ValueError as error:
+        raise SynthError(str(error)) from None
 
 
 def export_revision(repo: Path, revision: str, dest: Path) -> Path:
