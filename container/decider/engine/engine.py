@@ -245,11 +245,6 @@ class DecisionEngine:
                 param="messages",
             ) from exc
 
-    @property
-    def chat_room(self) -> int:
-        """Cells a chat may use: the context minus the cached decision head and the invariance pad."""
-        return self.planner.room
-
     def chat_plan(
         self,
         messages: list[dict[str, Any]],
@@ -263,13 +258,13 @@ class DecisionEngine:
     ) -> ChatPlan:
         """Tokenize a chat; `max_tokens` None: up to what the context has left, at most `max_tokens_cap`."""
         prompt = self.render_chat(messages)
-        room = self.chat_room - len(prompt)
+        room = self.planner.room - len(prompt)  # the cached decision head and the pad stay
         if max_tokens is None:
             max_tokens = max(1, min(max_tokens_cap, room))
         if max_tokens > room:
             raise RequestError(
                 f"The prompt is {len(prompt)} tokens and max_tokens is {max_tokens}; the context holds "
-                f"{self.chat_room} for chat ({self.settings.env_name('n_ctx')}).",
+                f"{self.planner.room} for chat ({self.settings.env_name('n_ctx')}).",
                 code="context_length_exceeded",
                 param="messages",
             )
