@@ -164,3 +164,8 @@ class StartupError(Exception):
 
     Its message is printed as one log line before a non-zero exit.
     """
+
+
+def internal_error(exc: BaseException) -> DeciderError:
+    """What a client sees of a bug: the usual error body, no traceback (that goes to the log)."""
+    return DeciderError(f"internal error ({type(exc).__name__}); see the server log", code="internal_error")

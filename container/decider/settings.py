@@ -27,14 +27,11 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from decider.engine.invariance import MAX_INVARIANT_UBATCH, BatchPolicy
+
 ENV_PREFIX = "DECIDER_"
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
 SAGEMAKER_MAX_BODY_BYTES = 6 * 1024 * 1024
-# llama.cpp's CPU flash attention switches to a tiled kernel at 64 query rows in one micro-batch, and
-# to a split-KV reduction across threads for a micro-batch of one row (ggml-cpu ops.cpp,
-# GGML_FA_TILE_Q). Both round differently from the per-row kernel, so batch-invariant mode keeps
-# every micro-batch between 2 and 63 tokens (the engine pads a lone last token).
-INVARIANT_MAX_UBATCH = 63
 MIN_API_KEY_LENGTH = 16
 QuestionType = Literal["noul", "choice", "score"]
 
@@ -84,10 +81,14 @@ class Settings(BaseSettings):
 
     # --- llama.cpp context ---------------------------------------------------------------
     n_ctx: PositiveInt = Field(8192, description="Context size in tokens (KV cells, all sequences).")
-    n_batch: PositiveInt = Field(2048, description="Logical batch: most tokens per llama_decode call.")
+    n_batch: PositiveInt = Field(
+        2048,
+        description="Logical batch: most tokens per llama_decode call (at most n_ctx, as llama.cpp has it).",
+    )
     n_ubatch: PositiveInt | None = Field(
         None,
-        description="Physical micro-batch size; default 63 when batch_invariant (its maximum), else 512.",
+        description=f"Physical micro-batch size; default 512, or {MAX_INVARIANT_UBATCH} (its maximum) with "
+        "batch_invariant.",
     )
     n_seq_max: int = Field(
         32,
@@ -98,12 +99,13 @@ class Settings(BaseSettings):
     )
     n_threads: PositiveInt | None = Field(None, description="CPU threads; default: all cores.")
     n_gpu_layers: int = Field(0, ge=-1, description="Layers offloaded to the GPU; -1 or 999 = all.")
-    batch_invariant: bool | None = Field(
-        None,
-        description="CPU kernels whose results do not depend on what else shares a batch: a question's "
-        "answer is bitwise the same alone, among other questions or beside other requests, at any thread "
-        "count. Micro-batches of at most 63 tokens, tiled K-quant matmul at every row count, no weight "
-        "repacking. Default: on for CPU inference, off with GPU layers (CUDA picks kernels by batch size).",
+    batch_invariant: bool = Field(
+        False,
+        description="Opt-in, CPU only: kernels whose results do not depend on what else shares a batch, so a "
+        "question's answer is bitwise the same alone, among other questions or beside other requests, at "
+        "any thread count. Micro-batches of 2-63 tokens, tiled K-quant matmul at every row count, no weight "
+        "repacking, memory epochs (decider.engine.invariance). Costs throughput (docs/engine.md); refused "
+        "with GPU layers (CUDA picks kernels by batch size).",
     )
     epoch_cells: PositiveInt | None = Field(
         None,
@@ -196,24 +198,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:
-        if self.invariant_batches and self.n_gpu_layers != 0:
-            raise ValueError(
-                "batch_invariant holds for CPU kernels only; with n_gpu_layers set it to false "
-                "(or leave it unset)"
-            )
-        if self.invariant_batches and self.n_ubatch is not None and self.n_ubatch > INVARIANT_MAX_UBATCH:
-            raise ValueError(
-                f"n_ubatch ({self.n_ubatch}) must be at most {INVARIANT_MAX_UBATCH} with batch_invariant: "
-                "larger micro-batches switch llama.cpp's CPU attention to a tiled kernel"
-            )
-        reserved = 4 if self.invariant_batches else 1  # head (+ invariance pad and two graveyards)
-        if self.n_seq_max < reserved + 3:
-            raise ValueError(
-                f"n_seq_max ({self.n_seq_max}) must be at least {reserved + 3}: {reserved} reserved "
-                "sequence(s), plus one for a state, one for a question branch and one for its label positions"
-            )
-        if self.micro_batch > self.n_batch:
-            raise ValueError(f"n_ubatch ({self.micro_batch}) must not exceed n_batch ({self.n_batch})")
+        if self.batch_invariant and self.n_gpu_layers != 0:
+            raise ValueError("batch_invariant holds for CPU kernels only; with n_gpu_layers leave it off")
+        problems = self.batch_policy.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.max_state_tokens >= self.n_ctx:
             raise ValueError(
                 f"max_state_tokens ({self.max_state_tokens}) must be below n_ctx ({self.n_ctx}), "
@@ -222,21 +211,26 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def invariant_batches(self) -> bool:
-        """batch_invariant, resolved: on for CPU inference unless switched off."""
-        return self.n_gpu_layers == 0 if self.batch_invariant is None else self.batch_invariant
-
-    @property
     def epoch_limit(self) -> int:
         """epoch_cells, resolved."""
         return self.epoch_cells if self.epoch_cells is not None else self.n_ctx // 2
 
     @property
+    def logical_batch(self) -> int:
+        """n_batch, resolved: at most n_ctx, as llama.cpp takes it."""
+        return min(self.n_batch, self.n_ctx)
+
+    @property
     def micro_batch(self) -> int:
-        """n_ubatch, resolved."""
+        """n_ubatch, resolved: the default is at most the logical batch."""
         if self.n_ubatch is not None:
             return self.n_ubatch
-        return INVARIANT_MAX_UBATCH if self.invariant_batches else 512
+        return min(BatchPolicy.default_ubatch(self.batch_invariant), self.logical_batch)
+
+    @property
+    def batch_policy(self) -> BatchPolicy:
+        """How decodes are cut and what the context reserves for it (the one owner of those rules)."""
+        return BatchPolicy(self.batch_invariant, self.logical_batch, self.micro_batch, self.n_seq_max)
 
     def temperature_for(self, question_type: QuestionType) -> float:
         """The readout temperature for one question type (its override, else the global one)."""

@@ -13,10 +13,10 @@ import pytest
 from decider.engine.bundled import SMOLLM2_SHA256
 from decider.engine.labels import READOUT_CHAIN, READOUT_SINGLE, build_label_table
 from decider.engine.native import OutputSpec, Row
+from decider.engine.scheduler import Job
 from decider.engine.work import DecisionWork
 from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.decision import DecisionResponse, parse_decision_request
-from decider.server.scheduler import Job
 from engine_helpers import EXAMPLE
 
 pytestmark = pytest.mark.model

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from decider.engine.cost import span_attended
 from decider.engine.decisions import DecisionPlan, DecisionPlanner
+from decider.engine.invariance import BatchPolicy
 from decider.engine.labels import build_label_table
 from decider.engine.native import DecodeAbortedError, Row, RowOutput
 from decider.engine.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, ChatTemplate, PromptBuilder, PromptFrame
@@ -52,16 +54,18 @@ class FakeModelInfo:
 
 @dataclass
 class FakeRuntime:
-    """Each decode sleeps `decode_seconds` plus `token_seconds` per token, checking `should_abort`."""
+    """Each decode sleeps `decode_seconds`, plus `token_seconds` per token and `attention_seconds` per
+    attended position, checking `should_abort`."""
 
     decode_seconds: float = 0.0
     token_seconds: float = 0.0
+    attention_seconds: float = 0.0  # per attended position (each token attends every one before it)
     chat_tokens: int = 5
     gate: threading.Event | None = None  # when set, every decode first waits for it
     n_ctx: int = 65536
     n_seq_max: int = 64
     n_batch: int = 4096
-    pad_seq: int | None = None
+    invariant: bool = False  # batch-invariant memory (pad, graveyards, epochs), as the real policy has it
     calls: list[int] = field(default_factory=list)  # tokens per decode
     threads: set[str] = field(default_factory=set)
     _produced: dict[int, int] = field(default_factory=dict)
@@ -75,7 +79,9 @@ class FakeRuntime:
             while not self.gate.wait(0.005):
                 if abort():
                     raise DecodeAbortedError("aborted while held")
-        end = time.monotonic() + self.decode_seconds + self.token_seconds * tokens
+        attended = sum(span_attended(row.start_pos, len(row.tokens)) for row in rows)
+        work = self.decode_seconds + self.token_seconds * tokens + self.attention_seconds * attended
+        end = time.monotonic() + work
         while time.monotonic() < end:
             if abort():
                 raise DecodeAbortedError("aborted")
@@ -89,6 +95,11 @@ class FakeRuntime:
                     argmax=0 if spec.argmax else None,
                     batch_index=index,
                 )
+
+    @property
+    def policy(self) -> BatchPolicy:
+        ubatch = min(BatchPolicy.default_ubatch(self.invariant), self.n_batch)
+        return BatchPolicy(self.invariant, self.n_batch, ubatch, self.n_seq_max)
 
     def seq_copy(self, src: int, dst: int) -> None:
         pass

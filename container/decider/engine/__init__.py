@@ -1,6 +1,28 @@
-"""The llama.cpp decision engine (see CONVENTIONS.md, "Engine interface")."""
+"""The llama.cpp decision engine (see docs/engine.md).
 
-from decider.engine.engine import DecisionEngine, ModelInfo
-from decider.engine.generation import GenerationEvent, GenerationUsage
+The package's names are imported lazily: `decider.settings` (which the CDK stacks import) uses
+`decider.engine.invariance`, and must not load llama.cpp to do so.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from decider.engine.engine import DecisionEngine, ModelInfo
+    from decider.engine.generation import GenerationEvent, GenerationUsage
 
 __all__ = ["DecisionEngine", "GenerationEvent", "GenerationUsage", "ModelInfo"]
+_HOMES = {
+    "DecisionEngine": "decider.engine.engine",
+    "ModelInfo": "decider.engine.engine",
+    "GenerationEvent": "decider.engine.generation",
+    "GenerationUsage": "decider.engine.generation",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'decider.engine' has no attribute {name!r}")
+    return getattr(import_module(_HOMES[name]), name)

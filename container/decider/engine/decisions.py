@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from decider.engine.cost import Cost, span_attended
 from decider.engine.labels import READOUT_CHAIN, Label, LabelTable, LabelTrie
 from decider.engine.native import RowOutput
 from decider.engine.prompt import PromptBuilder, StatePrompt
@@ -98,6 +99,27 @@ class DecisionPlan:
         fresh mode: every branch decodes it again)."""
         return sum(_state_cost(state, self.mode, self.head_tokens) for state in self.states)
 
+    @property
+    def cost(self) -> Cost:
+        """What the engine does for this request: decodes (at least the prefix, the branches and the
+        label positions), tokens, attended positions."""
+        total = sum((_state_attention(state, self.mode, self.head_tokens) for state in self.states), Cost())
+        tokens = self.cost_tokens
+        return Cost(3 if tokens else 0, tokens, total.attended)
+
+
+def _state_attention(state: StatePlan, mode: Mode, head: int) -> Cost:
+    """Attended positions of one state's decodes: its prefix after the head, then each branch
+    (fresh mode: each branch's whole prompt), label positions included."""
+    attended = 0.0
+    base = head + len(state.prefix)
+    if mode == "shared" and state.items:
+        attended += span_attended(head, len(state.prefix))
+    for item in state.items:
+        tail = len(item.tokens) + len(item.trie.nodes) - 1
+        attended += span_attended(0, base + tail) if mode == "fresh" else span_attended(base, tail)
+    return Cost(attended=attended)
+
 
 def _state_cost(state: StatePlan, mode: Mode, head: int) -> int:
     positions = sum(len(item.trie.nodes) - 1 for item in state.items)
@@ -145,8 +167,7 @@ class DecisionPlanner:
     @property
     def room(self) -> int:
         """Cells running work may use: the context less the cached prompt head and the invariance pad."""
-        pad = 1 if self.settings.invariant_batches else 0
-        return self.n_ctx - len(self.builder.head_tokens) - pad
+        return self.n_ctx - len(self.builder.head_tokens) - self.settings.batch_policy.reserved_cells
 
     # --- planning ----------------------------------------------------------------------------------
     def plan(self, request: DecisionRequest) -> DecisionPlan:

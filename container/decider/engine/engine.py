@@ -5,7 +5,7 @@ engine reads the logits there (and, for labels of several tokens, at one more po
 prefix), keeps only the labels' scores, divides by the temperature and normalizes: nothing is
 generated. Planning (`plan_decision`, `plan_batch`, `chat_plan`) tokenizes and checks every
 limit; the resulting `DecisionWork` / `ChatWork` runs on the scheduler's engine thread, batched
-with everything else that is running (see `decider.server.scheduler`).
+with everything else that is running (see `decider.engine.scheduler`).
 
 `decide(request)` runs one request in-process on a private scheduler (tests, benchmarks).
 """
@@ -32,6 +32,7 @@ from decider.engine.prompt import (
     PromptFrame,
     TemplateUnusableError,
 )
+from decider.engine.scheduler import Job, Scheduler
 from decider.engine.work import ChatPlan, ChatWork, DecisionWork
 from decider.errors import RequestError, StartupError
 from decider.schemas.decision import (
@@ -96,13 +97,10 @@ class DecisionEngine:
         digest = verify_sha256(path, settings)
         config = ContextConfig(
             n_ctx=settings.n_ctx,
-            n_batch=settings.n_batch,
-            n_ubatch=settings.micro_batch,
-            n_seq_max=settings.n_seq_max,
+            policy=settings.batch_policy,
             n_threads=settings.threads(),
             n_gpu_layers=settings.n_gpu_layers,
             flash_attn=settings.flash_attn,
-            batch_invariant=settings.invariant_batches,
         )
         try:
             runtime = LlamaRuntime(path, config)
@@ -141,9 +139,9 @@ class DecisionEngine:
             architecture=runtime.architecture,
             n_ctx=runtime.n_ctx,
             n_seq_max=runtime.n_seq_max,
-            n_batch=config.n_batch,
-            n_ubatch=config.n_ubatch,
-            batch_invariant=config.batch_invariant,
+            n_batch=config.policy.n_batch,
+            n_ubatch=config.policy.n_ubatch,
+            batch_invariant=config.policy.invariant,
             chat_template_source=template.source,
             prompt_version=builder.version,
             max_options=len(labels),
@@ -218,19 +216,13 @@ class DecisionEngine:
         return self._run_local(self.decision_work(plan), "decision")
 
     def _run_local(self, work: Any, kind: str) -> Any:
-        from decider.server.metrics import ServerMetrics
-        from decider.server.scheduler import Job, Scheduler
-
         if self._local is None:
             self._local = Scheduler(
-                queue_size=1024,
-                deadline_seconds=3600,
-                metrics=ServerMetrics(),
-                epoch_cells=self.settings.epoch_limit,
+                queue_size=1024, deadline_seconds=3600, epoch_cells=self.settings.epoch_limit
             )
             self._local.attach(self._rt, self.head_tokens)
         now = time.monotonic()
-        job = Job(kind, uuid.uuid4().hex, now + 3600, now, work.cost_tokens)
+        job = Job(kind, uuid.uuid4().hex, now + 3600, now, work.cost)
         return self._local.submit(job, work).result()
 
     # --- chat ----------------------------------------------------------------------------------------

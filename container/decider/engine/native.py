@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,8 @@ from typing import Any
 import llama_cpp
 import llama_cpp._logger as llama_logger
 import numpy as np
+
+from decider.engine.invariance import BatchPolicy
 
 # llama.cpp logs every tensor at load; keep errors only (the engine reports its own summary).
 llama_logger.set_verbose(False)
@@ -52,14 +53,13 @@ class OutputSpec:
     """What to read at a row's last token.
 
     `token_ids`: keep only these logits (the option labels); `logsumexp` / `argmax`: also the
-    full-vocabulary log-normalizer and top token (multi-token labels, extensions). `sample`: the
-    row is a chat step; its logits stay in the context for `LlamaRuntime.sample` until the next decode.
+    full-vocabulary log-normalizer and top token (multi-token labels, extensions). A chat step's
+    logits stay in the context for `LlamaRuntime.sample` until the next decode.
     """
 
     token_ids: tuple[int, ...] = ()
     logsumexp: bool = False
     argmax: bool = False
-    sample: bool = False
 
 
 @dataclass
@@ -84,13 +84,10 @@ class Row:
 @dataclass(frozen=True)
 class ContextConfig:
     n_ctx: int
-    n_batch: int
-    n_ubatch: int
-    n_seq_max: int
+    policy: BatchPolicy  # n_batch, n_ubatch, n_seq_max and batch invariance
     n_threads: int
     n_gpu_layers: int
     flash_attn: bool
-    batch_invariant: bool = False
 
 
 class LlamaRuntime:
@@ -101,22 +98,20 @@ class LlamaRuntime:
     def __init__(self, path: Path, config: ContextConfig) -> None:
         self.path = path
         self.config = config
-        if config.batch_invariant:
-            _select_invariant_kernels()
+        self.policy = policy = config.policy
+        policy.select_kernels()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = config.n_gpu_layers
-        # Repacked weights (CPU "extra" buffers) multiply 4 activation rows at a time and the rest one
-        # by one, so a row's result depends on where it sits in the micro-batch.
-        model_params.use_extra_bufts = not config.batch_invariant
+        model_params.use_extra_bufts = policy.repack_weights
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise NativeError(f"llama.cpp could not load {path}")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = config.n_ctx
-        ctx_params.n_batch = config.n_batch
-        ctx_params.n_ubatch = config.n_ubatch
-        ctx_params.n_seq_max = config.n_seq_max
+        ctx_params.n_batch = policy.n_batch
+        ctx_params.n_ubatch = policy.n_ubatch
+        ctx_params.n_seq_max = policy.n_seq_max
         ctx_params.n_threads = config.n_threads
         ctx_params.n_threads_batch = config.n_threads
         ctx_params.kv_unified = True
@@ -138,13 +133,29 @@ class LlamaRuntime:
             llama_cpp.llama_model_free(self._model)
             self._model = None
             raise NativeError(
-                f"llama.cpp could not create a context (n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max})"
+                f"llama.cpp could not create a context (n_ctx={config.n_ctx}, n_seq_max={policy.n_seq_max})"
+            )
+        took = (
+            int(llama_cpp.llama_n_batch(self._ctx)),
+            int(llama_cpp.llama_n_ubatch(self._ctx)),
+            int(llama_cpp.llama_n_seq_max(self._ctx)),
+        )
+        # llama.cpp clamps what it cannot take; the scheduler must never size a decode it refuses.
+        if took != (policy.n_batch, policy.n_ubatch, policy.n_seq_max):
+            llama_cpp.llama_free(self._ctx)
+            llama_cpp.llama_model_free(self._model)
+            self._ctx = self._model = None
+            raise NativeError(
+                "llama.cpp took n_batch={}, n_ubatch={}, n_seq_max={} instead of {}, {}, {}: set "
+                "DECIDER_N_BATCH, DECIDER_N_UBATCH and DECIDER_N_SEQ_MAX to values it keeps".format(
+                    *took, policy.n_batch, policy.n_ubatch, policy.n_seq_max
+                )
             )
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_seq_max = int(llama_cpp.llama_n_seq_max(self._ctx))
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
-        self._batch = llama_cpp.llama_batch_init(config.n_batch + 1, 0, 1)  # + the invariance pad
+        self._batch = llama_cpp.llama_batch_init(policy.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
         # The abort callback runs between graph nodes; `_should_abort` is set per decode.
         self._should_abort: Callable[[], bool] | None = None
@@ -242,15 +253,6 @@ class LlamaRuntime:
         return self._piece_buf.raw[:n]
 
     # --- memory (KV cache / recurrent state) --------------------------------------------------
-    @property
-    def n_batch(self) -> int:
-        return self.config.n_batch
-
-    @property
-    def pad_seq(self) -> int | None:
-        """The sequence reserved for the one-token pad of batch-invariant decodes (else None)."""
-        return self.n_seq_max - 1 if self.config.batch_invariant else None
-
     def clear(self) -> None:
         """Forget every sequence. The buffers are not zeroed: every cell is written before it is read."""
         llama_cpp.llama_memory_clear(self._mem, False)
@@ -270,8 +272,8 @@ class LlamaRuntime:
         return bool(check is not None and check())
 
     def decode(self, rows: Sequence[Row], *, should_abort: Callable[[], bool] | None = None) -> None:
-        """Append every row's tokens to its sequence in ONE llama_decode (at most n_batch tokens) and
-        read each row's `output` into `row.result`.
+        """Append every row's tokens to its sequence in ONE llama_decode (at most the policy's
+        `step_tokens`) and read each row's `output` into `row.result`.
 
         Raises KvCacheFullError (nothing was decoded), DecodeAbortedError (`should_abort` returned
         true; micro-batches already processed stay in memory) or NativeError.
@@ -279,8 +281,8 @@ class LlamaRuntime:
         total = sum(len(row.tokens) for row in rows)
         if total == 0:
             return
-        if total > self.config.n_batch:
-            raise NativeError(f"a decode of {total} tokens exceeds n_batch={self.config.n_batch}")
+        if total > self.policy.step_tokens:
+            raise NativeError(f"a decode of {total} tokens exceeds the step budget {self.policy.step_tokens}")
         batch = self._batch
         n = 0
         outputs: list[tuple[Row, int]] = []
@@ -295,14 +297,15 @@ class LlamaRuntime:
             if row.output is not None and row.tokens:
                 batch.logits[n - 1] = 1
                 outputs.append((row, n - 1))
-        padded = self._needs_pad(total)
+        pad_seq = self.policy.pad_seq
+        padded = self.policy.needs_pad(total)
         if padded:
             # A lone last token would take the split-KV attention path: give it a companion in the
             # pad sequence (position 0, removed right after), so every micro-batch has >= 2 rows.
             batch.token[n] = self.bos if self.bos is not None else 0
             batch.pos[n] = 0
             batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = self.pad_seq
+            batch.seq_id[n][0] = pad_seq
             batch.logits[n] = 0
             n += 1
         batch.n_tokens = n
@@ -312,7 +315,7 @@ class LlamaRuntime:
         finally:
             self._should_abort = None
             if padded:
-                self.seq_remove(self.pad_seq)  # type: ignore[arg-type]
+                self.seq_remove(pad_seq)  # type: ignore[arg-type]
         if status == 1:
             raise KvCacheFullError(f"no memory slot for a batch of {total} tokens")
         if status == 2:
@@ -321,9 +324,6 @@ class LlamaRuntime:
             raise NativeError(f"llama_decode returned {status} for a batch of {total} tokens")
         for row, batch_index in outputs:
             row.result = self._read_output(row.output, batch_index)  # type: ignore[arg-type]
-
-    def _needs_pad(self, total: int) -> bool:
-        return self.config.batch_invariant and total % min(self.config.n_ubatch, self.config.n_batch) == 1
 
     def _read_output(self, spec: OutputSpec, batch_index: int) -> RowOutput:
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
@@ -358,9 +358,3 @@ class LlamaRuntime:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to report to
             self.close()
-
-
-def _select_invariant_kernels() -> None:
-    """Take ggml's tiled K-quant matmul for every row count (by default it starts at 8 rows, and
-    the two paths round differently). ggml reads this once per process, at the first K-quant matmul."""
-    os.environ.setdefault("GGML_CPU_TILED_MM_FORCE", "1")

@@ -104,7 +104,10 @@ class Step:
     alone_possible: bool = True  # no decision state holds cells: such a state may start
     rows: list[PlannedRow] = field(default_factory=list)
 
-    def may_hold_prefix(self) -> bool:
+    def may_hold_sequence(self) -> bool:
+        """A new unit that holds a sequence across steps (a state's prefix, a chat) may start only
+        while one more stays free for a branch and one for its label positions, beyond one for each
+        prefix already waiting to open its branches: started work never waits for a sequence."""
         return self.seqs.available >= self.prefix_holders + 2
 
     def add(self, work: Any, row: Row, on_done: Callable[[Row], None], *, keep: bool = True) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from decider.engine.cost import Cost, span_attended
 from decider.engine.decisions import DecisionPlan, DecisionPlanner, Item, Prefix, StatePlan
 from decider.engine.generation import (
     FinishReason,
@@ -30,11 +31,10 @@ from decider.engine.generation import (
     free_sampler,
     make_sampler,
 )
+from decider.engine.invariance import HEAD_SEQ
 from decider.engine.labels import READOUT_CHAIN
 from decider.engine.native import OutputSpec, Row
 from decider.engine.steps import Memory, SeqPool, Step
-
-HEAD_SEQ = 0  # the cached prompt head of the decision prompt version
 
 
 class Work(Protocol):
@@ -46,7 +46,9 @@ class Work(Protocol):
     timing: dict[str, float]
 
     @property
-    def cost_tokens(self) -> int: ...
+    def cost(self) -> Cost:
+        """What it costs the engine (for admission and the wait estimates)."""
+        ...
 
     @property
     def started(self) -> bool: ...
@@ -186,8 +188,8 @@ class DecisionWork:
         step.seqs.release(step.memory, seq)
 
     @property
-    def cost_tokens(self) -> int:
-        return self.plan.cost_tokens
+    def cost(self) -> Cost:
+        return self.plan.cost
 
     @property
     def finished(self) -> bool:
@@ -264,7 +266,7 @@ class DecisionWork:
                 return False
             reserve = state.need
         shared = self.plan.mode == "shared"
-        if step.cells_left < reserve or (shared and not step.may_hold_prefix()):
+        if step.cells_left < reserve or (shared and not step.may_hold_sequence()):
             return False
         step.cells_left -= reserve
         state.started = True
@@ -448,8 +450,10 @@ class ChatPlan:
     seed: int | None = None
 
     @property
-    def cost_tokens(self) -> int:
-        return len(self.prompt)
+    def cost(self) -> Cost:
+        """The prefill, then one decode per generated token: each costs a whole step."""
+        prompt = len(self.prompt)
+        return Cost(1 + self.max_tokens, prompt + self.max_tokens, span_attended(0, prompt + self.max_tokens))
 
 
 class Sampling(Memory, Protocol):
@@ -484,8 +488,8 @@ class ChatWork:
         self._stops = StopFilter(plan.stop)
 
     @property
-    def cost_tokens(self) -> int:
-        return self.plan.cost_tokens
+    def cost(self) -> Cost:
+        return self.plan.cost
 
     prefix_seqs = 0  # a generation never waits for another sequence
     runs_alone = False
@@ -534,7 +538,7 @@ class ChatWork:
         if self._seq is None:
             # The whole generation's cells are reserved up front: it never runs out mid-answer.
             need = len(self.plan.prompt) + self.plan.max_tokens
-            if not step.starts_allowed or not step.seqs.available or step.cells_left < need:
+            if not step.starts_allowed or not step.may_hold_sequence() or step.cells_left < need:
                 return
             self._seq = step.seqs.acquire()
             self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed)
@@ -547,12 +551,10 @@ class ChatWork:
                 return
             start = self._prefilled
             last = start + take == len(prompt)
-            row = Row(
-                self._seq, prompt[start : start + take], start, OutputSpec(sample=True) if last else None
-            )
+            row = Row(self._seq, prompt[start : start + take], start, OutputSpec() if last else None)
             self._add(step, row, lambda done: self._after_prefill(step, take, done, last))
         elif self._last is not None and step.tokens_left:
-            row = Row(self._seq, [self._last], self._position, OutputSpec(sample=True))
+            row = Row(self._seq, [self._last], self._position, OutputSpec())
             self._last = None
             self._position += 1
             self._add(step, row, lambda done: self._sampled(step, done))

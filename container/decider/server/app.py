@@ -33,7 +33,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from decider.errors import AuthenticationError, DeciderError, NotFoundError, RequestError
+from decider.engine.scheduler import shutting_down
+from decider.errors import AuthenticationError, DeciderError, NotFoundError, RequestError, internal_error
 from decider.server.body import read_payload
 from decider.server.handlers import (
     ClientDisconnectedError,
@@ -41,7 +42,6 @@ from decider.server.handlers import (
     handle_chat,
     handle_decision,
     handle_openai_decision,
-    internal_error,
 )
 from decider.server.metrics import route_label
 from decider.server.routing import (
@@ -52,7 +52,6 @@ from decider.server.routing import (
     target_from_body,
 )
 from decider.server.runtime import EngineLoader, ServerRuntime, load_engine
-from decider.server.scheduler import shutting_down
 from decider.settings import Settings
 
 log = logging.getLogger("decider.server")
@@ -75,6 +74,7 @@ class RequestContextMiddleware:
         request_id = uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
+        state["arrived_at"] = time.monotonic()  # the deadline runs from here (SageMaker's 60 s do)
         path: str = scope["path"]
         started = time.perf_counter()
         status = 500

@@ -18,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from decider.engine.generation import GenerationEvent
+from decider.engine.scheduler import ClientGoneError, Job, deadline_error
 from decider.engine.work import ChatPlan, ChatWork
-from decider.errors import DeciderError, RequestError
+from decider.errors import DeciderError, RequestError, internal_error
 from decider.schemas.chat import (
     AssistantMessage,
     ChatCompletion,
@@ -34,7 +35,6 @@ from decider.schemas.chat import (
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
 from decider.server.runtime import Engine, ServerRuntime
-from decider.server.scheduler import ClientGoneError, Job, deadline_error
 
 log = logging.getLogger("decider.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -51,9 +51,19 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def run_until_disconnect(runtime: ServerRuntime, request: Request, job: Job, work: Any) -> Any:
-    """`scheduler.run`, but drop the job as soon as the client disconnects."""
-    run = asyncio.ensure_future(runtime.scheduler.run(job, work))
+def enqueue(runtime: ServerRuntime, request: Request, kind: str, work: Any) -> Job:
+    """Admit and submit the request's work in one call (nothing can cancel the handler in between),
+    its deadline counted from the request's arrival."""
+    return runtime.scheduler.enqueue(
+        kind, request.state.request_id, work, arrived_at=request.state.arrived_at
+    )
+
+
+async def run_until_disconnect(runtime: ServerRuntime, request: Request, kind: str, work: Any) -> Any:
+    """Enqueue `work` and wait for it, but drop the job as soon as the client disconnects."""
+    job = enqueue(runtime, request, kind, work)
+    assert job.future is not None
+    run = asyncio.ensure_future(runtime.scheduler.wait(job, job.future))
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         done, _ = await asyncio.wait({run, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -134,8 +144,7 @@ async def execute_decision(
     """The one decision path behind every decision route: plan (validate and tokenize) on a worker
     thread, admit by token count, run batched on the engine thread, count tokens."""
     plan = await asyncio.to_thread(prepare)  # parsing and tokenizing never block the event loop
-    job = runtime.scheduler.admit("decision", request.state.request_id, plan.cost_tokens)
-    response = await run_until_disconnect(runtime, request, job, engine.decision_work(plan))
+    response = await run_until_disconnect(runtime, request, "decision", engine.decision_work(plan))
     runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
     return response
 
@@ -173,10 +182,9 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
         return chat, plan
 
     chat, plan = await asyncio.to_thread(prepare)
-    job = runtime.scheduler.admit("chat", request.state.request_id, plan.cost_tokens)
     if chat.stream:
-        return await _stream_chat(runtime, engine, chat, plan, job)
-    text, finish, usage = await run_until_disconnect(runtime, request, job, ChatWork(plan))
+        return await _stream_chat(runtime, request, engine, chat, plan)
+    text, finish, usage = await run_until_disconnect(runtime, request, "chat", ChatWork(plan))
     _count_chat_tokens(runtime, usage)
     completion = ChatCompletion(
         id=new_completion_id(),
@@ -205,8 +213,23 @@ class _Failure:
         self.exc = exc
 
 
+class _JobStream(StreamingResponse):
+    """An SSE response that stops its job however it ends: finished, client gone, or never sent
+    (an async generator that never started runs no `finally`)."""
+
+    def __init__(self, job: Job, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
 async def _stream_chat(
-    runtime: ServerRuntime, engine: Engine, chat: ChatCompletionRequest, plan: ChatPlan, job: Job
+    runtime: ServerRuntime, request: Request, engine: Engine, chat: ChatCompletionRequest, plan: ChatPlan
 ) -> Response:
     """Generate on the engine thread, relay its events through a queue, and send SSE.
 
@@ -224,7 +247,9 @@ async def _stream_chat(
         if (exc := future.exception()) is not None:
             loop.call_soon_threadsafe(events.put_nowait, _Failure(exc))
 
-    runtime.scheduler.submit(job, ChatWork(plan, emit)).add_done_callback(relay_failure)
+    job = enqueue(runtime, request, "chat", ChatWork(plan, emit))
+    assert job.future is not None
+    job.future.add_done_callback(relay_failure)
     deadline_seconds = runtime.settings.deadline_seconds
 
     async def next_event() -> Any:
@@ -281,13 +306,8 @@ async def _stream_chat(
             job.cancel()  # stops generation if the client went away mid-stream
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(sse(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return _JobStream(job, sse())
 
 
 def _sse_data(body: dict[str, Any]) -> str:
     return "data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-def internal_error(exc: BaseException) -> DeciderError:
-    """What a client sees of a bug: the usual error body, no traceback (that goes to the log)."""
-    return DeciderError(f"internal error ({type(exc).__name__}); see the server log", code="internal_error")

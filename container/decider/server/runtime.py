@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
+from decider.engine.scheduler import Backend, Scheduler, shutting_down
 from decider.errors import StartupError, UnavailableError
 from decider.server.metrics import ServerMetrics
-from decider.server.scheduler import Backend, Scheduler, shutting_down
 from decider.settings import Settings
 
 log = logging.getLogger("decider.server")

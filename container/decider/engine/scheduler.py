@@ -2,10 +2,14 @@
 
 The engine is not thread-safe, so ONE engine thread owns the llama context (the model load
 included). Requests are admitted on the event loop: refused at once with 429 when `queue_size`
-requests are already waiting to start, with 503 `deadline_unreachable` when the tokens ahead of
-them cannot be decoded before their deadline, and with a 4xx when the request alone could not be
-decoded in time even on an idle server (a retry cannot succeed). Admitted work is a `Work` state
-machine (decision or chat); every loop of the engine thread builds ONE decode step from every
+requests are already waiting to start, with 503 `deadline_unreachable` when the work ahead of
+them cannot be done before their deadline (only when something is ahead: a retry can succeed once
+it is done), and with a 4xx when the request alone could not be done in time even on an idle server
+(a retry cannot succeed). The estimates come from a cost model fitted to the decodes the engine has
+timed, attention included (decider.engine.cost). A request's deadline runs from its arrival.
+
+Admitted work is a `Work` state machine (decision or chat); every loop of the engine thread builds
+ONE decode step from every
 running work, up to `n_batch` tokens, the free sequences and the free memory cells: the next token
 of each chat first (a generation interleaves with decisions token by token), then the rows of the
 decisions and chat prefills in the order they were admitted. Each work keeps its own deadline,
@@ -27,15 +31,16 @@ import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from decider.engine.cost import Cost, CostModel, span_attended
+from decider.engine.invariance import HEAD_SEQ, BatchPolicy
 from decider.engine.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
 from decider.engine.steps import PlannedRow, SeqPool, Step
-from decider.engine.work import HEAD_SEQ, Work
+from decider.engine.work import Work
 from decider.errors import (
     DeadlineExceededError,
     DeciderError,
@@ -43,23 +48,42 @@ from decider.errors import (
     RequestError,
     RequestExceedsDeadlineError,
     UnavailableError,
+    internal_error,
 )
-from decider.server.metrics import ServerMetrics
 
 log = logging.getLogger("decider.server")
 T = TypeVar("T")
-EWMA_WEIGHT = 0.3  # weight of the newest measurement in the running estimates
-MIN_TIMED_TOKENS = 32  # steps smaller than this say more about per-step overhead than per-token cost
 ENGINE_NICENESS = 10  # how much lower the engine thread's CPU priority is than the HTTP loop's
 MAX_RETRY_AFTER_SECONDS = 60
 # A 504 after waiting at least this share of the deadline in the queue may succeed on a retry; one
 # whose work had the model nearly all along would only time out again.
 RETRYABLE_WAIT_FRACTION = 0.1
-# A request is refused as too large for the deadline (a 4xx, never retried) only if it could not
-# finish at the best decode rate of the last RATE_WINDOW timed steps: a busy machine's slow
-# moments must not turn into permanent refusals.
-RATE_WINDOW = 64
+# A request is refused as too large for the deadline (a 4xx, never retried) only when the estimate
+# exceeds the deadline by this factor: a refusal is final, so it must never hit a request that could
+# have been served (an estimate is an estimate); one just above the deadline is tried and may 504.
+REFUSE_FACTOR = 1.25
 STALL_SECONDS = 5.0
+
+
+class _Null:
+    """A metric that records nothing (a scheduler without a server: `DecisionEngine.decide`)."""
+
+    def labels(self, *_: str) -> _Null:
+        return self
+
+    def inc(self, *_: float) -> None: ...
+
+    def set(self, *_: float) -> None: ...
+
+    def observe(self, *_: float) -> None: ...
+
+
+class NoMetrics:
+    """The metrics the scheduler reports, all discarded (`decider.server.metrics.ServerMetrics`
+    is the real one)."""
+
+    def __getattr__(self, _name: str) -> _Null:
+        return _Null()
 
 
 class Backend(Protocol):
@@ -67,12 +91,7 @@ class Backend(Protocol):
 
     n_ctx: int
     n_seq_max: int
-
-    @property
-    def n_batch(self) -> int: ...
-
-    @property
-    def pad_seq(self) -> int | None: ...
+    policy: BatchPolicy
 
     def decode(self, rows: list[Row], *, should_abort: Callable[[], bool] | None = None) -> None: ...
 
@@ -89,10 +108,11 @@ class Job:
 
     kind: str
     request_id: str
-    deadline: float  # time.monotonic()
+    deadline: float  # time.monotonic(): the request's arrival plus the deadline
     admitted_at: float
-    cost_tokens: int = 0
+    cost: Cost = field(default_factory=Cost)
     started_at: float | None = None
+    future: Future[Any] | None = None  # set by `Scheduler.enqueue`
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -151,7 +171,7 @@ class _Running:
     work: Work
     future: Future[Any]
     decoded: int = 0  # tokens decoded so far (for the wait estimate)
-    dead_base: int = 0  # the work's dead cells when the current memory epoch began
+    dead_at_epoch_start: int = 0  # the work's dead cells when the current memory epoch began
 
     @property
     def started(self) -> bool:
@@ -166,13 +186,13 @@ class Scheduler:
         *,
         queue_size: int,
         deadline_seconds: float,
-        metrics: ServerMetrics,
+        metrics: Any = None,
         epoch_cells: int | None = None,
     ) -> None:
         self.queue_size = queue_size
         self.epoch_cells = epoch_cells  # None: no cap on the decision starts of a memory epoch
         self.deadline_seconds = deadline_seconds
-        self._metrics = metrics
+        self._metrics = metrics if metrics is not None else NoMetrics()
         self._cond = threading.Condition()
         self._control: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._works: list[_Running] = []  # in admission order
@@ -185,8 +205,7 @@ class Scheduler:
         self._stalled_since: float | None = None
         self._head: list[int] = []
         self._head_ready = False
-        self.seconds_per_token: float | None = None  # recent decode cost (EWMA): for waits
-        self._recent_rates: deque[float] = deque(maxlen=RATE_WINDOW)  # for "cannot fit even idle"
+        self.costs = CostModel()  # seconds per decode, fitted to the decodes timed so far
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -202,30 +221,31 @@ class Scheduler:
     def attach(self, backend: Backend, head_tokens: list[int]) -> None:
         """Start batching on a loaded model, after the load (on the engine thread in the server).
 
-        Batch-invariant models (those with an invariance pad) run in memory epochs: two sequences
-        become the graveyards that keep every cell until no decision state is live (decider.engine.steps).
+        The batch policy says which sequences are reserved, and whether memory epochs keep cells in
+        place (batch invariance: decider.engine.invariance).
         """
-        n = backend.n_seq_max
-        if backend.pad_seq is None:
-            self._seqs = SeqPool(n, (HEAD_SEQ,))
-        else:
-            self._seqs = SeqPool(n, (HEAD_SEQ, backend.pad_seq), graveyards=(n - 2, n - 3))
+        policy = backend.policy
+        self._seqs = SeqPool(backend.n_seq_max, policy.reserved_seqs, graveyards=policy.graveyards)
         self._head = list(head_tokens)
         self._backend = backend
         self._decode_head(backend)  # before /ping turns 200: the first request does not pay for it
 
     # --- admission (event loop) ----------------------------------------------------------------
-    def admit(self, kind: str, request_id: str, cost_tokens: int = 0) -> Job:
+    def admit(
+        self, kind: str, request_id: str, cost: Cost | None = None, *, arrived_at: float | None = None
+    ) -> Job:
         """Admit a request or refuse it at once (429 queue full, 503 deadline unreachable or stopping,
-        422 when it cannot finish in time even alone)."""
+        422 when it cannot finish in time even alone). Its deadline runs from `arrived_at` (when
+        the server received it; default now)."""
         now = time.monotonic()
+        arrived = now if arrived_at is None else min(arrived_at, now)
+        cost = cost or Cost()
+        deadline = arrived + self.deadline_seconds
         with self._cond:
             if self._closed:
                 raise shutting_down()
             waiting = sum(1 for job in self._admitted if job.started_at is None)
-            ahead = self._tokens_ahead_locked()
-            spt = self.seconds_per_token
-            predicted_wait = ahead * spt if spt else 0.0
+            predicted_wait = self._seconds_ahead_locked()
             if self._admitted and waiting >= self.queue_size:
                 self._metrics.rejections.labels("queue_full").inc()
                 retry_after = _retry_after(predicted_wait)
@@ -235,36 +255,47 @@ class Scheduler:
                     code="queue_full",
                     headers={"Retry-After": str(retry_after)},
                 )
-            if spt and cost_tokens:
-                own = cost_tokens * spt
-                best = cost_tokens * min(self._recent_rates, default=spt)
-                if best > self.deadline_seconds:
+            own = self.costs.predict(cost) if cost.tokens else None
+            if own is not None:
+                if own > REFUSE_FACTOR * self.deadline_seconds:
                     self._metrics.rejections.labels("request_exceeds_deadline").inc()
                     raise RequestExceedsDeadlineError(
-                        f"this request is {cost_tokens} tokens of work, at least {best:.0f} s on this "
-                        f"endpoint, more than the {self.deadline_seconds:g} s deadline "
-                        "(DECIDER_DEADLINE_SECONDS) even with nothing else running; send fewer questions or "
-                        "states per request"
+                        f"this request is {cost.tokens} tokens of work, about {own:.0f} s on this endpoint, "
+                        f"more than the {self.deadline_seconds:g} s deadline (DECIDER_DEADLINE_SECONDS) even "
+                        "with nothing else running; send fewer questions or states per request"
                     )
-                if predicted_wait + own > self.deadline_seconds:
+                # Only work ahead can make a request that fits alone miss its deadline, and then a
+                # retry can succeed once that work is done. On an idle engine the request is tried.
+                if predicted_wait > 0 and predicted_wait + own > deadline - now:
                     self._metrics.rejections.labels("deadline_unreachable").inc()
                     retry_after = _retry_after(predicted_wait)
                     raise UnavailableError(
                         f"the requests ahead need about {predicted_wait:.1f} s and this one "
-                        f"about {own:.1f} s, more than the {self.deadline_seconds:g} s deadline "
-                        "(DECIDER_DEADLINE_SECONDS)",
+                        f"about {own:.1f} s, more than the {deadline - now:.1f} s left of its "
+                        f"{self.deadline_seconds:g} s deadline (DECIDER_DEADLINE_SECONDS)",
                         code="deadline_unreachable",
                         headers={"Retry-After": str(retry_after)},
                     )
-            job = Job(kind, request_id, now + self.deadline_seconds, now, cost_tokens)
+            job = Job(kind, request_id, deadline, now, cost)
             self._admitted.add(job)
             self._update_gauges_locked()
         return job
 
-    def _tokens_ahead_locked(self) -> int:
-        submitted = {id(r.job) for r in self._works}
-        pending = sum(job.cost_tokens for job in self._admitted if id(job) not in submitted)
-        return pending + sum(max(0, r.work.cost_tokens - r.decoded) for r in self._works)
+    def enqueue(self, kind: str, request_id: str, work: Work, *, arrived_at: float | None = None) -> Job:
+        """Admit and submit in one call, so no cancellation can fall between the two (a job admitted
+        and never submitted would count as waiting forever). The job's `future` is the outcome."""
+        job = self.admit(kind, request_id, work.cost, arrived_at=arrived_at)
+        job.future = self.submit(job, work)
+        return job
+
+    def _seconds_ahead_locked(self) -> float:
+        """Predicted seconds of the admitted work not done yet (0 until the cost model is ready)."""
+        submitted = {id(r.job): r for r in self._works}
+        left = Cost()
+        for job in self._admitted:
+            running = submitted.get(id(job))
+            left = left + (job.cost if running is None else job.cost.remaining(running.decoded))
+        return (self.costs.predict(left) or 0.0) if left.tokens else 0.0
 
     def _update_gauges_locked(self) -> None:
         started = sum(1 for r in self._works if r.started)
@@ -273,7 +304,8 @@ class Scheduler:
 
     # --- execution (event loop) ----------------------------------------------------------------
     def submit(self, job: Job, work: Work) -> Future[Any]:
-        """Hand an admitted job's work to the engine thread; the future resolves with its outcome."""
+        """Hand an admitted job's work to the engine thread; the future resolves with its outcome.
+        Callers in the event loop use `enqueue` (admission and submission in one call)."""
         future: Future[Any] = Future()
         with self._cond:
             if self._closed:
@@ -307,6 +339,13 @@ class Scheduler:
             if not (future.done() and future.exception() is None):
                 raise deadline_error(job, self.deadline_seconds)
         return future.result()
+
+    def withdraw(self, job: Job) -> None:
+        """Forget an admitted job that will never be submitted (its request failed before)."""
+        with self._cond:
+            if not any(r.job is job for r in self._works):
+                self._admitted.discard(job)
+                self._update_gauges_locked()
 
     def close(self) -> None:
         """Refuse new work, stop what is left (abort the decode in flight) and end the engine thread."""
@@ -370,16 +409,17 @@ class Scheduler:
 
     def _decode_head(self, backend: Backend) -> None:
         assert self._seqs is not None
-        for start in range(0, len(self._head), backend.n_batch):
-            backend.decode([Row(HEAD_SEQ, self._head[start : start + backend.n_batch], start)])
+        size = backend.policy.step_tokens
+        for start in range(0, len(self._head), size):
+            backend.decode([Row(HEAD_SEQ, self._head[start : start + size], start)])
         if self._head:
             self._seqs.keep(backend, HEAD_SEQ)
         self._head_ready = True
 
     def _dead_cells(self) -> int:
         """Cells released into the graveyards since the last compaction (works count theirs
-        cumulatively; `dead_base` is what a work had released before the epoch began)."""
-        return self._dead_removed + sum(r.work.dead_cells - r.dead_base for r in self._works)
+        cumulatively; `dead_at_epoch_start` is what a work had released before the epoch began)."""
+        return self._dead_removed + sum(r.work.dead_cells - r.dead_at_epoch_start for r in self._works)
 
     def _maybe_compact(self, backend: Backend) -> None:
         """End the memory epoch when no decision state is live: free every dead cell at once."""
@@ -392,7 +432,7 @@ class Scheduler:
         self._seqs.compact(backend, live)
         self._dead_removed = 0
         for running in self._works:
-            running.dead_base = running.work.dead_cells
+            running.dead_at_epoch_start = running.work.dead_cells
 
     def _epoch_full(self) -> bool:
         """The memory epoch has grown to `epoch_cells`: let its decisions finish, start nothing new.
@@ -408,8 +448,9 @@ class Scheduler:
     def _plan(self, backend: Backend) -> Step:
         assert self._seqs is not None
         held = sum(r.work.live_cells + r.work.future_cells for r in self._works) + self._dead_cells()
-        fixed = len(self._head) + (1 if backend.pad_seq is not None else 0)
-        step = Step(backend, self._seqs, backend.n_batch, backend.n_ctx - fixed - held)
+        policy = backend.policy
+        fixed = len(self._head) + policy.reserved_cells
+        step = Step(backend, self._seqs, policy.step_tokens, backend.n_ctx - fixed - held)
         step.prefix_holders = sum(r.work.prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()
         now = time.monotonic()
@@ -424,7 +465,13 @@ class Scheduler:
             step.decisions_may_start = not any(r.work.runs_alone for r in self._works)
             step.alone_possible = not any(r.work.in_epoch for r in self._works)
             before = len(step.rows)
-            running.work.plan_step(step)
+            try:
+                running.work.plan_step(step)
+            except Exception as exc:  # one work's bug fails that work alone
+                log.exception("request %s: planning its next rows failed", running.job.request_id)
+                step.rows = [planned for planned in step.rows if planned.work is not running.work]
+                self._remove(running, internal_error(exc))
+                continue
             waiting_ahead = waiting_ahead or running.work.wants_start
             if len(step.rows) > before and running.job.started_at is None:
                 running.job.started_at = now
@@ -446,13 +493,9 @@ class Scheduler:
         self._metrics.decodes.inc()
         self._metrics.decode_rows.observe(len(step.rows))
         self._metrics.decode_tokens.observe(tokens)
-        if completed and tokens >= MIN_TIMED_TOKENS:  # an aborted decode says nothing of the rate
-            rate = elapsed / tokens
-            self._recent_rates.append(rate)
-            previous = self.seconds_per_token
-            self.seconds_per_token = (
-                rate if previous is None else (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * rate
-            )
+        if completed:  # an aborted or split decode says nothing of the cost
+            attended = sum(span_attended(p.row.start_pos, len(p.row.tokens)) for p in step.rows)
+            self.costs.observe(Cost(1, tokens, attended), elapsed)
 
     def _decode_split(
         self, backend: Backend, rows: list[PlannedRow], should_abort: Callable[[], bool]
@@ -490,7 +533,11 @@ class Scheduler:
             if running is None:  # failed earlier in this step
                 continue
             running.decoded += len(planned.row.tokens)
-            planned.on_done(planned.row)
+            try:
+                planned.on_done(planned.row)
+            except Exception as exc:  # one work's bug fails that work alone, never its neighbours
+                log.exception("request %s: reading its rows failed", running.job.request_id)
+                self._remove(running, internal_error(exc))
         return True
 
     def _job_of(self, work: Work) -> Job:
@@ -521,7 +568,7 @@ class Scheduler:
             job = running.job
             with self._cond:
                 self._works.remove(running)
-                self._dead_removed += running.work.dead_cells - running.dead_base
+                self._dead_removed += running.work.dead_cells - running.dead_at_epoch_start
                 self._admitted.discard(job)
                 self._update_gauges_locked()
             if job.started_at is not None:
@@ -575,7 +622,7 @@ class Scheduler:
         with self._cond:
             if running in self._works:
                 self._works.remove(running)
-                self._dead_removed += running.work.dead_cells - running.dead_base
+                self._dead_removed += running.work.dead_cells - running.dead_at_epoch_start
             self._admitted.discard(running.job)
             self._update_gauges_locked()
 
