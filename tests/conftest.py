@@ -1,4 +1,4 @@
-"""Session-wide fixtures: the bundled model files, ONE loaded SmolLM2 engine, and the JevBench cases.
+"""Session-wide fixtures: the bundled model files, one SmolLM2 engine per batch mode, the JevBench cases.
 
 Loading a model takes about a second and a few hundred MB, so model tests share one engine per
 pytest session. The engine is not thread-safe; pytest runs tests one at a time.
@@ -41,6 +41,18 @@ def engine(smollm2_path: Path) -> Iterator[Any]:
     from decider.settings import Settings
 
     loaded = DecisionEngine.load(Settings(model_path=smollm2_path))
+    yield loaded
+    loaded.close()
+
+
+@pytest.fixture(scope="session")
+def invariant_engine(smollm2_path: Path) -> Iterator[Any]:
+    """The same model with `batch_invariant` on (the opt-in whose answers are bitwise the same in any
+    company), shared by the whole session."""
+    from decider.engine import DecisionEngine
+    from decider.settings import Settings
+
+    loaded = DecisionEngine.load(Settings(model_path=smollm2_path, batch_invariant=True))
     yield loaded
     loaded.close()
 

@@ -129,6 +129,7 @@ def test_engine_last_line_has_every_key():
         "options_128": {"seconds": 4.0},
         "options_255": {"seconds": 9.0},
         "prompt": {"v2_vs_v1": 1.6, "v2_vs_v1_tokens": 1.7, "v1_max_dp": 0.0, "v2_max_dp": 0.001},
+        "admission": [{"ratio": 1.0}, {"ratio": 1.1}, {"ratio": 0.9}],
     }
     line = last_line(results)
     assert line.startswith("W1 shared_vs_fresh=1.00 ")
@@ -140,6 +141,7 @@ def test_engine_last_line_has_every_key():
         "v2_max_dp_shared_fresh=0.0010",
         "v1_max_dp_shared_fresh=0.0000",
         "W2 shared_vs_fresh=1.00",
+        "admission_4500=0.90",
     ):
         assert key in line
 
@@ -151,7 +153,7 @@ def test_error_code_from_the_error_body_or_the_reason():
 
 
 class _Settings:
-    invariant_batches = True
+    batch_invariant = False
     deadline_seconds = 55.0
 
 
@@ -177,26 +179,30 @@ def test_engine_report_from_synthetic_runs():
         },
         "W2": dict(workload),
     }
-    throughput = {
-        name: {"shared": _timed(2.0, 2, 300, shifted), "raw": _timed(2.0, 0, 300, {})} for name in runs
-    }
+    invariant = {name: {"shared": _timed(8.0, 2, 300, shifted)} for name in runs}
     options = [
-        {"options": 128, "seconds": 20.0, "tokens": 2000, "readout": "single", "decodes": 2, "top_p": 0.3,
-         "sum_p": 1.0, "throughput_seconds": 10.0, "v2_tokens": 1000},
+        {"options": 128, "seconds": 10.0, "tokens": 2000, "readout": "single", "decodes": 2, "top_p": 0.3,
+         "sum_p": 1.0, "invariant_seconds": 20.0, "v2_tokens": 1000},
         {"options": 255, "seconds": math.nan, "tokens": 0, "readout": "unsupported (max 64)", "decodes": 0,
          "top_p": math.nan, "sum_p": math.nan},
     ]  # fmt: skip
     console = Console(file=io.StringIO(), width=200)
-    results = report(console, runs, throughput, options, _Settings())
+    admission = [
+        {"tokens": 500, "predicted": 1.1, "seconds": 1.0},
+        {"tokens": 2000, "predicted": None, "seconds": 2.0},
+        {"tokens": 4500, "predicted": 9.0, "seconds": 10.0},
+    ]
+    results = report(console, runs, invariant, options, admission, _Settings())
     assert results["W1"]["shared_vs_fresh"] == pytest.approx(2.5)
     assert results["W1"]["ideal"] == 2.0 and results["W1"]["engine_vs_limit"] == 1.0
     assert results["W1"]["invariant_cost"] == 2.0
-    assert results["W1"]["invariant_vs_throughput_max_dp"] == pytest.approx(0.05)
+    assert results["W1"]["default_vs_invariant_max_dp"] == pytest.approx(0.05)
     assert results["prompt"]["v2_vs_v1"] == 2.0 and results["prompt"]["v2_max_dp"] == 0.0
     assert results["options_128"]["invariant_cost"] == 2.0
     line = last_line(results)
     assert "options_255_seconds=nan" in line and "invariant_cost=2.00" in line
-    on_gpu = report(Console(file=io.StringIO()), runs, None, options, _Settings())
+    assert "admission_500=1.10" in line and "admission_2000=nan" in line and "admission_4500=0.90" in line
+    on_gpu = report(Console(file=io.StringIO()), runs, None, options, admission, _Settings())
     assert math.isnan(on_gpu["W2"]["invariant_cost"])
 
 
@@ -216,3 +222,24 @@ def test_server_and_in_process_engine_share_their_settings():
     assert fields == {"model_path": Path("/models/bundled.gguf"), "n_gpu_layers": -1, "n_threads": 2}
     args = argparse.Namespace(model=Path("/m/qwen.gguf"), n_gpu_layers=0, threads=None)
     assert model_settings(args, Path("/x.gguf")) == {"model_path": Path("/m/qwen.gguf"), "n_gpu_layers": 0}
+
+
+def test_the_text_route_reads_the_best_label_among_the_top_logprobs():
+    from tools.bench.text_route import picked_option
+
+    top = [{"token": " B", "logprob": -0.5}, {"token": "A", "logprob": -1.2}, {"token": "x", "logprob": -0.1}]
+    body = {"choices": [{"logprobs": {"content": [{"token": "x", "top_logprobs": top}]}}]}
+    assert picked_option(body, ["A", "B", "C"]) == 1  # "x" is no label; " B" is B
+    assert picked_option(body, ["C", "D"]) is None
+    assert picked_option({"choices": [{"logprobs": None}]}, ["A"]) is None
+
+
+def test_the_text_route_line_compares_wall_times_and_argmax():
+    from tools.bench.server import Level, text_route_line
+    from tools.bench.text_route import TextRun
+
+    level = Level(clients=4, wall_seconds=10.0)
+    run = TextRun(clients=4, wall_seconds=15.0, answers={(0, "q"): 1, (0, "r"): 0, (1, "q"): 0})
+    serial = {0: {"q": [0.2, 0.8], "r": [0.3, 0.7]}, 1: {"q": [0.9, 0.1]}}
+    line = text_route_line(level, run, serial)
+    assert "text_route=llama-server concurrency=4 decision_vs_text=1.50 argmax_agree=0.67" in line

@@ -116,12 +116,11 @@ def test_chatml_frame_splits_around_the_two_messages():
     )
     head, between, tail = frame.pieces
     assert head == "<|im_start|>system\n" and between == "<|im_end|>\n<|im_start|>user\n"
-    assert tail == "<|im_end|>\n<|im_start|>assistant\n" and not frame.system_in_user
+    assert tail == "<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_a_template_without_a_system_role_gets_the_system_text_in_the_user_turn():
     b = builder(NO_SYSTEM_ROLE)
-    assert b.frame.system_in_user
     prompt = b.build("STATE", "Q", OPTIONS)
     assert (
         prompt.text == f"<turn>user: {SYSTEM_PROMPT}\n\n{payload('STATE', 'Q', OPTIONS)}</turn><turn>model: "

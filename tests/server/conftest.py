@@ -1,6 +1,7 @@
 """Fixtures for the server tests: the real `serve` process on the real bundled model.
 
-One server is shared by the whole session (`live_server`); tests that need other settings
+One server with the default settings is shared by the whole session (`live_server`), one more
+with batch invariance on by the bitwise comparisons (`invariant_server`); tests that need other settings
 (a tiny queue, a short deadline, a start-up failure, SIGTERM) start their own with
 `tools.local_server`. The live servers use one inference thread: on this 2-core machine that
 leaves a core for the HTTP loop and the test clients, and keeps timings steady when other work
@@ -31,4 +32,14 @@ def live_server() -> Iterator[LocalServer | RemoteServer]:
         yield remote
         return
     with run_local_server(LIVE_ENV) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def invariant_server() -> Iterator[LocalServer]:
+    """A second local server with `DECIDER_BATCH_INVARIANT=true`, for the tests that compare answers
+    bit for bit across batch company (skipped against a running image: it has the defaults)."""
+    if remote_server() is not None:
+        pytest.skip("needs a server with DECIDER_BATCH_INVARIANT=true of its own")
+    with run_local_server({**LIVE_ENV, "DECIDER_BATCH_INVARIANT": "true"}) as server:
         yield server

@@ -31,8 +31,8 @@ def _answers(body: dict[str, Any]) -> dict[str, Any]:
     return {key: answer.get("probabilities", answer.get("noul")) for key, answer in body["answers"].items()}
 
 
-def test_the_batch_route_answers_each_state_as_its_own_request(live_server: LocalServer) -> None:
-    url = live_server.base_url
+def test_the_batch_route_answers_each_state_as_its_own_request(invariant_server: LocalServer) -> None:
+    url = invariant_server.base_url
     questions = DECISION["questions"]
     singles = [
         httpx.post(f"{url}/v1/systemone", json={"state": s, "questions": questions}, timeout=120).json()
@@ -93,8 +93,9 @@ def test_the_whole_batch_is_validated_before_the_model_runs(
     assert response.json()["error"]["param"] == param
 
 
-def test_answers_under_concurrent_load_equal_the_serial_answers(live_server: LocalServer) -> None:
-    url = live_server.base_url
+def test_answers_under_concurrent_load_equal_the_serial_answers(invariant_server: LocalServer) -> None:
+    """With DECIDER_BATCH_INVARIANT=true: the same bits alone and beside other requests and a chat."""
+    url = invariant_server.base_url
     bodies = [{"state": state, "questions": DECISION["questions"]} for state in STATES]
     serial = [_answers(httpx.post(f"{url}/v1/systemone", json=b, timeout=120).json()) for b in bodies]
     barrier = threading.Barrier(len(bodies) + 1)

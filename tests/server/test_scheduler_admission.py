@@ -100,15 +100,21 @@ def test_the_deadline_runs_from_the_request_s_arrival() -> None:
 
 
 def test_a_chat_costs_a_step_per_generated_token() -> None:
+    """A chat may stop at any token, so it is tried; the work behind it waits for all of them."""
     plan = ChatPlan(prompt=[1] * 10, max_tokens=200)
-    assert plan.cost.steps == 201 and plan.cost.tokens == 210
-    engine = FakeEngine(decode_seconds=0.01)
+    assert plan.cost.steps == 201 and plan.cost.tokens == 210 and plan.least_cost.steps == 1
+    engine = FakeEngine(decode_seconds=0.01, chat_tokens=1000)
     scheduler = _scheduler(engine, deadline=1.0)
     for size in (50, 400, 120):
         _timed(scheduler, _work(engine, size))
-    with pytest.raises(RequestExceedsDeadlineError):  # 200 decodes of 10 ms: 2 s, never in 1 s
-        scheduler.admit("chat", "long", plan.cost)
-    scheduler.admit("chat", "short", ChatPlan(prompt=[1] * 10, max_tokens=20).cost)
+    gate = threading.Event()
+    engine.runtime.gate = gate
+    chat = scheduler.enqueue("chat", "long", ChatWork(plan))  # 200 decodes of 10 ms at most: 2 s
+    with pytest.raises(UnavailableError) as refused:  # 1 decode, but behind up to 200 of the chat
+        scheduler.admit("decision", "behind", Cost(1, 5))
+    assert refused.value.code == "deadline_unreachable" and refused.value.retryable
+    gate.set()
+    chat.future.exception(5)  # type: ignore[union-attr]  # the 1 s deadline ends the generation
     scheduler.close()
 
 

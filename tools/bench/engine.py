@@ -1,25 +1,29 @@
 """Engine benchmark (`make bench-engine`): shared fan-out vs fresh prefill vs the text route, prompt
-v2 vs v1, batch-invariant vs throughput kernels, and choice questions with 128 and 255 options.
+v2 vs v1, the batch-invariant opt-in vs the default kernels, choice questions with 128 and 255
+options, and the admission estimate against measured times.
 
 Two workloads, measured side by side in one run:
 
 - W1: a stated subset of the JevBench-240 cases (each about 9 questions on a 250-650 token state).
 - W2: one ~2,000-token state made of concatenated JevBench-240 case states, with 21 of their questions.
 
-On the default engine (batch-invariant CPU kernels, prompt `decider-options-v1`), per workload:
-decisions/s in fresh and shared mode and their ratio; the ideal ratio (fresh tokens / shared
-tokens); the engine's shared-mode time against the physical limit (the same tokens decoded by
-llama.cpp alone as one plain sequence after the cached head, `n_batch` tokens per decode, on the
-same context); and decisions/s against the text route, i.e. one greedy chat completion per question
-that generates the option's letter, as a user of a chat endpoint would.
+On the default engine (throughput kernels, prompt `decider-options-v1`), per workload: decisions/s
+in fresh and shared mode and their ratio; the ideal ratio (fresh tokens / shared tokens); the
+engine's shared-mode time against the physical limit (`engine_vs_limit`: the same tokens decoded by
+llama.cpp alone as one plain sequence after the prompt head, `n_batch` tokens per decode, with its
+throughput kernels, on a plain context of its own); and decisions/s against the text route, i.e.
+one greedy chat completion per question that generates the option's letter, as a user of a chat
+endpoint would.
 
 Also on W1: a second engine with `decider-options-v2` (shared and fresh), for `v2_vs_v1` (v1 time /
-v2 time), the token ratio and both versions' shared-vs-fresh max |Δp|. On W1 and W2: a throughput
-engine (`batch_invariant=False`, `n_ubatch=512`) for `invariant_cost` (time invariant / time
-throughput). ggml reads `GGML_CPU_TILED_MM_FORCE` once per process, at the first K-quant matmul,
-and the batch-invariant engine sets it; so the throughput engine always runs in a child process
-whose environment does not have it (exact for K-quant models such as Gemma 3, harmless for SmolLM2).
-Last, one choice question with 128 and with 255 options on one JevBench state (default engine).
+v2 time), the token ratio and both versions' shared-vs-fresh max |Δp|. On W1 and W2: the
+batch-invariant engine (`batch_invariant=True`, the opt-in) for `invariant_cost` (time invariant /
+time default). ggml reads `GGML_CPU_TILED_MM_FORCE` once per process, at the first K-quant matmul,
+and a batch-invariant engine sets it; so that engine always runs in a child process, and this one
+never has it (exact for K-quant models such as Gemma 3, harmless for SmolLM2).
+Then one choice question with 128 and with 255 options on one JevBench state (default engine), and
+the admission check: three requests of about 500, 2,000 and 4,500 tokens, the scheduler's estimate
+(fitted to every decode of the run) against the measured time (`admission_<n>` = estimate / time).
 
 Every fresh question is an independent prefill, so on W2 fresh mode and the text route are timed on
 the first few questions only (`--w2-sample`) and reported as rates.
@@ -46,9 +50,10 @@ from typing import Any
 from decider.engine import DecisionEngine
 from decider.engine.bundled import smollm2_path
 from decider.engine.decisions import DecisionPlanner
-from decider.engine.native import Row
+from decider.engine.invariance import DEFAULT_UBATCH, BatchPolicy
+from decider.engine.modelfile import resolve_model_file
+from decider.engine.native import ContextConfig, LlamaRuntime, Row
 from decider.engine.prompt import PROMPT_V1, PROMPT_V2, SYSTEM_PROMPT
-from decider.engine.work import HEAD_SEQ
 from decider.schemas.decision import DecisionRequest, parse_decision_request
 from decider.settings import Settings
 from rich.console import Console
@@ -73,12 +78,9 @@ CASES = JEVBENCH_240_CASES
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEXT_ROUTE_MAX_TOKENS = 4  # a letter (1-2 tokens) plus end of turn
 OPTION_COUNTS = (128, 255)
-THROUGHPUT_UBATCH = 512
+ADMISSION_TOKENS = (500, 2000, 4500)
 TILED_ENV = "GGML_CPU_TILED_MM_FORCE"
-# The raw-prefill measurement borrows this sequence while the engine is idle: the scheduler's pool
-# hands sequences out only to running work, and 1 is never one of its reserved ids (head, pad,
-# graveyards: 0 and the highest ones).
-RAW_SEQ = 1
+HEAD_SEQ, RAW_SEQ = 0, 1  # the plain context's two sequences: the prompt head, and the timed tokens
 # Option descriptions of the many-options question: short, distinct routing targets.
 AREAS = (
     "Billing",
@@ -176,34 +178,39 @@ def plain_sequence(engine: DecisionEngine, body: dict[str, Any]) -> list[int]:
     return [*state.prefix, *(token for item in state.items for token in item.tokens)]
 
 
-def raw_prefill_seconds(engine: DecisionEngine, tokens: list[int]) -> float:
-    """llama.cpp alone: `tokens` as one plain sequence after the cached head, n_batch tokens per decode.
+class PlainLlama:
+    """llama.cpp alone, the limit: one plain context (two sequences, throughput kernels, llama.cpp's
+    default micro-batch), the prompt head decoded once in HEAD_SEQ."""
 
-    Runs on the engine's own thread while it is idle (the runtime is not thread-safe), after
-    freeing the cells the last request left in its memory epoch."""
-    runtime = engine.runtime
-    scheduler = engine._local  # created by the warm-up decide()
-    offset = len(engine.head_tokens)
+    def __init__(self, settings: Settings, head: list[int]) -> None:
+        policy = BatchPolicy(False, settings.logical_batch, min(DEFAULT_UBATCH, settings.logical_batch), 2)
+        config = ContextConfig(settings.n_ctx, policy, settings.threads(), settings.n_gpu_layers, True)
+        self.runtime = LlamaRuntime(resolve_model_file(settings), config)
+        self.offset = len(head)
+        for start in range(0, len(head), policy.step_tokens):
+            self.runtime.decode([Row(HEAD_SEQ, head[start : start + policy.step_tokens], start)])
 
-    def run() -> float:
-        scheduler._maybe_compact(runtime)
+    def seconds(self, tokens: list[int]) -> float:
+        """`tokens` as one plain sequence after the head, n_batch tokens per decode."""
+        runtime, size = self.runtime, self.runtime.policy.step_tokens
         runtime.seq_copy(HEAD_SEQ, RAW_SEQ)
         try:
             started = time.perf_counter()
-            for start in range(0, len(tokens), runtime.n_batch):
-                runtime.decode([Row(RAW_SEQ, tokens[start : start + runtime.n_batch], offset + start)])
+            for start in range(0, len(tokens), size):
+                runtime.decode([Row(RAW_SEQ, tokens[start : start + size], self.offset + start)])
             return time.perf_counter() - started
         finally:
             runtime.seq_remove(RAW_SEQ)
 
-    return scheduler.submit_unscheduled(run).result()
+    def close(self) -> None:
+        self.runtime.close()
 
 
-def raw_run(engine: DecisionEngine, workload: Workload, repeats: int) -> Timed:
+def raw_run(engine: DecisionEngine, plain: PlainLlama, workload: Workload, repeats: int) -> Timed:
     out = Timed()
     for body in workload.bodies:
         tokens = plain_sequence(engine, body)
-        out.seconds += min(raw_prefill_seconds(engine, tokens) for _ in range(max(1, repeats)))
+        out.seconds += min(plain.seconds(tokens) for _ in range(max(1, repeats)))
         out.tokens += len(tokens)
     return out
 
@@ -278,25 +285,33 @@ def options_run(engine: DecisionEngine, case: dict[str, Any], count: int, repeat
     }
 
 
-# --- the throughput engine, in a child process ------------------------------------------------------
-def throughput_worker(args: argparse.Namespace) -> int:
-    """Child process: shared mode and raw prefill on W1 and W2, and the many-option questions, with
-    throughput kernels; JSON out."""
+def admission_run(engine: DecisionEngine, cases: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """The scheduler's estimate for requests of about ADMISSION_TOKENS tokens, against their time."""
+    rows = []
+    for target in ADMISSION_TOKENS:
+        body = build_w2(engine, cases, target, 3)
+        request = parse(body)
+        work = engine.decision_work(engine.plan_decision(request))
+        predicted = engine._local.costs.predict(work.cost)  # the decide() runs fitted it
+        seconds, _ = best_of(1, lambda request=request: engine.decide(request))
+        rows.append({"tokens": work.cost.tokens, "predicted": predicted, "seconds": seconds})
+    return rows
+
+
+# --- the batch-invariant engine, in a child process -------------------------------------------------
+def invariant_worker(args: argparse.Namespace) -> int:
+    """Child process: shared mode on W1 and W2, and the many-option questions, with the
+    batch-invariant opt-in; JSON out."""
     settings = Settings(
-        **model_settings(args, smollm2_path()),
-        prompt_version=PROMPT_V1,
-        batch_invariant=False,
-        n_ubatch=THROUGHPUT_UBATCH,
+        **model_settings(args, smollm2_path()), prompt_version=PROMPT_V1, batch_invariant=True
     )
     engine = DecisionEngine.load(settings)
     loads = workloads(engine, args)
     engine.decide(parse(loads[0].bodies[0]))  # warm-up: graph allocation, page cache
     result: dict[str, Any] = {}
     for workload in loads:
-        shared = decide_run(engine, workload, "shared", args.repeats, sampled=False)
         result[workload.name] = {
-            "shared": asdict(shared),
-            "raw": asdict(raw_run(engine, workload, args.repeats)),
+            "shared": asdict(decide_run(engine, workload, "shared", args.repeats, sampled=False))
         }
     result["options"] = [
         options_run(engine, loads[0].bodies[0], count, args.repeats) for count in OPTION_COUNTS
@@ -306,17 +321,12 @@ def throughput_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_throughput_child(
-    argv: list[str], inherited_tiled: str | None
-) -> tuple[dict[str, dict[str, Timed]], list[dict[str, Any]]]:
-    """The throughput engine's runs by workload, and its many-option rows (see `throughput_worker`)."""
-    env = dict(os.environ)
-    if inherited_tiled is None:
-        env.pop(TILED_ENV, None)  # set by this process's batch-invariant runtime, not by the user
+def run_invariant_child(argv: list[str]) -> tuple[dict[str, dict[str, Timed]], list[dict[str, Any]]]:
+    """The batch-invariant engine's runs by workload, and its many-option rows (see `invariant_worker`)."""
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        out = Path(tmp) / "throughput.json"
+        out = Path(tmp) / "invariant.json"
         command = [sys.executable, "-m", "tools.bench.engine", *argv, "--worker-out", str(out)]
-        subprocess.run(command, env=env, cwd=REPO_ROOT, check=True)
+        subprocess.run(command, cwd=REPO_ROOT, check=True)
         raw = json.loads(out.read_text())
     options = raw.pop("options")
     runs = {name: {kind: Timed(**timed) for kind, timed in kinds.items()} for name, kinds in raw.items()}
@@ -371,18 +381,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.w1_cases, args.w2_tokens, args.w2_questions, args.w2_sample = 1, 800, 8, 1
     if args.worker_out:
-        return throughput_worker(args)
-    inherited_tiled = os.environ.get(TILED_ENV)
+        return invariant_worker(args)
+    if os.environ.get(TILED_ENV):
+        parser.error(f"{TILED_ENV} is set: the default engine would not run its own kernels; unset it")
     console = Console(width=200)
 
     settings = Settings(**model_settings(args, smollm2_path()), prompt_version=PROMPT_V1)
     engine = DecisionEngine.load(settings)
     v2 = DecisionEngine.load(Settings(**model_settings(args, smollm2_path()), prompt_version=PROMPT_V2))
+    plain = PlainLlama(settings, engine.head_tokens)
     w1, w2 = workloads(engine, args)
     console.print(
         f"model {engine.model_info.id}, {settings.threads()} threads, n_ctx {settings.n_ctx}, "
         f"n_batch {settings.n_batch}, n_ubatch {settings.micro_batch}, batch_invariant "
-        f"{settings.invariant_batches}, n_gpu_layers {settings.n_gpu_layers}, "
+        f"{settings.batch_invariant}, n_gpu_layers {settings.n_gpu_layers}, "
         f"{platform.processor() or platform.machine()}"
     )
     console.print(f"W1: {len(w1.bodies)} JevBench-240 cases ({', '.join(c['id'] for c in w1.bodies)})")
@@ -400,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[workload.name] = {
                 "fresh": decide_run(engine, workload, "fresh", args.repeats, sampled=True),
                 "shared": decide_run(engine, workload, "shared", args.repeats, sampled=False),
-                "raw": raw_run(engine, workload, args.repeats),
+                "raw": raw_run(engine, plain, workload, args.repeats),
                 "text": text_route_run(engine, workload, args.repeats),
                 # fresh-mode tokens of the whole workload, for the ideal ratio (fresh may be sampled)
                 "fresh_all": Timed(
@@ -418,17 +430,20 @@ def main(argv: list[str] | None = None) -> int:
         if row["tokens"]:
             body = many_options_body(w1.bodies[0], row["options"])
             row["v2_tokens"] = v2.plan_decision(parse(body)).cost_tokens
+    with phase(console, f"admission estimates at {', '.join(map(str, ADMISSION_TOKENS))} tokens"):
+        admission = admission_run(engine, load_cases(CASES))
+    plain.close()
     v2.close()
     engine.close()
 
-    throughput: dict[str, dict[str, Timed]] | None = None
-    if settings.invariant_batches:
-        with phase(console, "the throughput engine (child process): W1, W2, many options"):
-            throughput, throughput_options = run_throughput_child(argv, inherited_tiled)
-        for row, other in zip(options, throughput_options, strict=True):
-            row["throughput_seconds"] = other["seconds"]
+    invariant: dict[str, dict[str, Timed]] | None = None
+    if settings.n_gpu_layers == 0:
+        with phase(console, "the batch-invariant opt-in (child process): W1, W2, many options"):
+            invariant, invariant_options = run_invariant_child(argv)
+        for row, other in zip(options, invariant_options, strict=True):
+            row["invariant_seconds"] = other["seconds"]
 
-    results = report(console, runs, throughput, options, settings)
+    results = report(console, runs, invariant, options, admission, settings)
     if args.json:
         args.json.write_text(json.dumps({"model": engine.model_info.id, "results": results}, indent=2))
     print(last_line(results))
@@ -438,13 +453,14 @@ def main(argv: list[str] | None = None) -> int:
 def report(
     console: Console,
     runs: dict[str, dict[str, Timed]],
-    throughput: dict[str, dict[str, Timed]] | None,
+    invariant_runs: dict[str, dict[str, Timed]] | None,
     options: list[dict[str, Any]],
+    admission: list[dict[str, float]],
     settings: Settings,
 ) -> dict[str, Any]:
     """Print the tables; return every figure by workload."""
     results: dict[str, Any] = {}
-    kernels = "batch-invariant" if settings.invariant_batches else "throughput kernels"
+    kernels = "batch-invariant" if settings.batch_invariant else "default kernels"
     deadline = settings.deadline_seconds
     table = Table(title=f"Decision engine ({kernels}, {PROMPT_V1}): shared vs fresh vs text route")
     columns = (
@@ -480,31 +496,26 @@ def report(
     console.print(table)
 
     invariant = Table(
-        title="Batch-invariant kernels (default) vs throughput kernels (batch_invariant=False, "
-        f"n_ubatch={THROUGHPUT_UBATCH}, child process): shared mode"
+        title="The batch-invariant opt-in (batch_invariant=True, child process) vs the default: shared mode"
     )
-    for column in (
-        "", "invariant s", "throughput s", "invariant_cost", "raw tok/s inv", "raw tok/s thr",
-        "raw cost", "engine/limit thr", "argmax agree", "max |Δp| inv-thr",
-    ):  # fmt: skip
+    for column in ("", "default s", "invariant s", "invariant_cost", "argmax agree", "max |Δp| default-inv"):
         invariant.add_column(column, justify="right")
     for name in ("W1", "W2"):
-        inv, raw = runs[name]["shared"], runs[name]["raw"]
-        if throughput is None:
+        default = runs[name]["shared"]
+        if invariant_runs is None:
             results[name]["invariant_cost"] = math.nan
             continue
-        thr, thr_raw = throughput[name]["shared"], throughput[name]["raw"]
-        agree, compared, delta = compare(inv.answers, thr.answers)
-        results[name]["invariant_cost"] = ratio(inv.seconds, thr.seconds)
-        results[name]["invariant_raw_cost"] = ratio(raw.seconds, thr_raw.seconds)
-        results[name]["invariant_vs_throughput_max_dp"] = delta
+        inv = invariant_runs[name]["shared"]
+        agree, compared, delta = compare(default.answers, inv.answers)
+        results[name]["invariant_cost"] = ratio(inv.seconds, default.seconds)
+        results[name]["default_vs_invariant_max_dp"] = delta
         invariant.add_row(
-            name, f"{inv.seconds:.2f}", f"{thr.seconds:.2f}", f"{results[name]['invariant_cost']:.2f}",
-            f"{ratio(raw.tokens, raw.seconds):.0f}", f"{ratio(thr_raw.tokens, thr_raw.seconds):.0f}",
-            f"{results[name]['invariant_raw_cost']:.2f}", f"{ratio(thr.seconds, thr_raw.seconds):.2f}",
+            name, f"{default.seconds:.2f}", f"{inv.seconds:.2f}", f"{results[name]['invariant_cost']:.2f}",
             f"{agree}/{compared}", f"{delta:.4f}",
         )  # fmt: skip
-    console.print(invariant if throughput is not None else "[yellow]GPU layers: no batch-invariant mode[/]")
+    console.print(
+        invariant if invariant_runs is not None else "[yellow]GPU layers: no batch-invariant mode[/]"
+    )
 
     w1 = runs["W1"]
     versions = Table(title=f"Prompt {PROMPT_V2} vs {PROMPT_V1} on W1 ({kernels})")
@@ -538,28 +549,44 @@ def report(
         title=f"One choice question with many options on one JevBench state ({kernels}, {PROMPT_V1})"
     )
     for column in (
-        "options", "readout", "tokens", "decodes", "seconds", "tok/s", "p(top)", "Σp", "fits deadline",
-        "throughput s", "invariant_cost", f"tokens {PROMPT_V2}",
+        "options", "readout", "tokens", "decodes", "seconds", "tok/s", "p(top)", "Σp", "half deadline",
+        "invariant s", "invariant_cost", f"tokens {PROMPT_V2}",
     ):  # fmt: skip
         many.add_column(column, justify="right")
     for row in options:
-        thr = row.get("throughput_seconds", math.nan)
-        row["invariant_cost"] = ratio(row["seconds"], thr)
+        inv = row.get("invariant_seconds", math.nan)
+        row["invariant_cost"] = ratio(inv, row["seconds"])
         many.add_row(
             str(row["options"]), row["readout"], str(row["tokens"]), str(row["decodes"]),
             f"{row['seconds']:.2f}", f"{ratio(row['tokens'], row['seconds']):.0f}", f"{row['top_p']:.3f}",
-            f"{row['sum_p']:.6f}", fits(row["seconds"], deadline),
-            f"{thr:.2f}", f"{row['invariant_cost']:.2f}", str(row.get("v2_tokens", "-")),
+            f"{row['sum_p']:.6f}", fits(row["seconds"], deadline / 2),
+            f"{inv:.2f}", f"{row['invariant_cost']:.2f}", str(row.get("v2_tokens", "-")),
         )  # fmt: skip
         results[f"options_{row['options']}"] = row
     console.print(many)
+
+    estimates = Table(
+        title="Admission: the scheduler's estimate (fitted to this run's decodes) against the time"
+    )
+    for column in ("request tokens", "estimate s", "measured s", "estimate/measured"):
+        estimates.add_column(column, justify="right")
+    for row in admission:
+        row["ratio"] = ratio(row["predicted"] or math.nan, row["seconds"])
+        estimates.add_row(
+            str(row["tokens"]),
+            f"{row['predicted'] or math.nan:.2f}",
+            f"{row['seconds']:.2f}",
+            f"{row['ratio']:.2f}",
+        )
+    console.print(estimates)
+    results["admission"] = admission
     return results
 
 
-def fits(seconds: float, deadline: float) -> str:
+def fits(seconds: float, limit: float) -> str:
     if math.isnan(seconds):
         return "-"
-    return f"yes (< {deadline:g} s)" if seconds < deadline else "NO"
+    return f"yes (< {limit:g} s)" if seconds < limit else "NO"
 
 
 def last_line(results: dict[str, Any]) -> str:
@@ -598,6 +625,8 @@ def last_line(results: dict[str, Any]) -> str:
             digits=4,
         )
     )
+    parts.append(key_values((f"admission_{target}", row["ratio"]) for target, row in zip(
+        ADMISSION_TOKENS, results["admission"], strict=True)))  # fmt: skip
     return " ".join(parts)
 
 

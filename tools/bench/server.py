@@ -15,12 +15,18 @@ all cores), side by side on the same requests:
    the 1-client answer to the same request.
 3. Batch route. N states that share one question set, as one `POST /v1/systemone/batch`, against
    the same N states as N separate `/v1/systemone` requests (one client, and N concurrent clients).
+4. The text route (when llama-server is there: `make llama-server`, or `--llama-server PATH`). The
+   sweep's questions, one chat request each to llama-server on the same model, threads and context,
+   with its prompt cache, from 1 and 4 clients (tools/bench/text_route.py). `decision_vs_text` =
+   llama-server's wall time / the decision route's wall time on the same cases (above 1: we are
+   faster); `argmax_agree` = the share of questions where both pick the same option.
 
 The last lines are machine-readable (times in seconds; ratios against the 1-client run):
     http_vs_engine=… ping_p99=…
     batch_vs_separate=… batch_vs_concurrent=… batch_max_dp=…
     concurrency=1 decodes_per_request_ratio=… throughput_ratio=… p95_over_p50_1=… max_dp_vs_serial=…
     (one line per concurrency)
+    text_route=llama-server concurrency=1 decision_vs_text=… argmax_agree=…   (1 and 4 clients)
 
 JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../shared; not copied).
 """
@@ -54,6 +60,7 @@ from tools.bench.common import (
     same_questions_group,
     spread,
 )
+from tools.bench.text_route import find_llama_server, run_llama_server, run_text_route, text_questions
 from tools.evaluate.cases import JEVBENCH_240_CASES
 from tools.evaluate.metrics import percentile
 from tools.local_server import run_local_server
@@ -448,6 +455,13 @@ def main(argv: list[str] | None = None) -> int:
         "--n-gpu-layers", type=int, default=0, help="DECIDER_N_GPU_LAYERS for both (-1: all; a CUDA build)"
     )
     parser.add_argument("--ping-interval", type=float, default=0.1)
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        help="llama-server binary for the text route (default: the "
+        "one `make llama-server` built, else PATH; none: the text route is skipped)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.overhead_cases, args.batch_states = 8, 2, 3
@@ -467,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {Settings.env_name(name): str(value) for name, value in fields.items()}
     console.print(
         f"[bold]bench-server[/]: {Path(settings.model_path).name}, threads={settings.threads()}, "
-        f"n_gpu_layers={settings.n_gpu_layers}, batch_invariant={settings.invariant_batches}; "
+        f"n_gpu_layers={settings.n_gpu_layers}, batch_invariant={settings.batch_invariant}; "
         f"sweep: {len(bodies)} JevBench-240 requests ({questions} questions) at {levels_wanted} clients; "
         f"overhead: {args.overhead_cases} cases; batch: {args.batch_states} states"
     )
@@ -479,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         overhead_cases = spread(cases, args.overhead_cases)
         measure_overhead(client, engine, overhead_cases[:1])  # warm-up, both paths
         engine_times, http_times = measure_overhead(client, engine, overhead_cases)
+        asked = text_questions(engine, bodies)
         engine.close()
 
         levels: list[Level] = []
@@ -489,6 +504,22 @@ def main(argv: list[str] | None = None) -> int:
             )
         console.print("[dim]batch route…[/]")
         batch = measure_batch(server.base_url, same_questions_group(cases, args.batch_states))
+
+    text_runs = []
+    binary = find_llama_server(args.llama_server)
+    text_levels = [level for level in levels if level.clients in (1, 4)]
+    if binary is None:
+        console.print("[yellow]text route skipped: no llama-server (`make llama-server` builds one)[/]")
+    else:
+        slots = max(level.clients for level in text_levels)
+        with run_llama_server(
+            binary, Path(settings.model_path), settings.threads(), slots, settings.n_ctx
+        ) as text:
+            first = asked[: len(asked) // len(bodies)]
+            run_text_route(text.base_url, first, 1)  # warm-up
+            for level in text_levels:
+                console.print(f"[dim]text route, {level.clients} client(s)…[/]")
+                text_runs.append((level, run_text_route(text.base_url, asked, level.clients)))
 
     http_vs_engine = print_overhead(console, engine_times, http_times)
     serial = levels[0]
@@ -522,7 +553,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     for level in levels:
         print(concurrency_line(level, serial, serial_answers))
+    for level, run in text_runs:
+        print(text_route_line(level, run, serial_answers))
     return 1 if failed or ping_failures else 0
+
+
+def text_route_line(level: Level, run: Any, serial_answers: dict[int, Distributions]) -> str:
+    """The decision route against llama-server's text route at one concurrency."""
+    same = total = 0
+    for (case, key), picked in run.answers.items():
+        probs = serial_answers.get(case, {}).get(key)
+        if probs is not None:
+            total += 1
+            same += picked == probs.index(max(probs))
+    return key_values(
+        (
+            ("text_route", "llama-server"),
+            ("concurrency", str(level.clients)),
+            ("decision_vs_text", ratio(run.wall_seconds, level.wall_seconds)),
+            ("argmax_agree", ratio(same, total)),
+            ("text_errors", str(run.errors)),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -85,16 +85,14 @@ class CallerText:
         return self._neutralized(text)
 
     def _neutralized(self, text: str) -> list[int]:
-        tokens = self._tokenize(text)
-        if self._ids.isdisjoint(tokens):
-            return tokens
+        """`text`, which tokenizes to a marker, cut into pieces that do not (each tokenized once)."""
         pieces = list(self._pieces(text))
         if len(pieces) == 1:  # no literal occurrence (a marker made by merging): halve the text
             if len(text) < 2:
                 raise MarkerError(f"{text!r} is itself a marker token and cannot be written as plain text")
             middle = len(text) // 2
             pieces = [text[:middle], text[middle:]]
-        return [token for piece in pieces for token in self._neutralized(piece)]
+        return [token for piece in pieces for token in self.tokenize(piece)]
 
     def _pieces(self, text: str) -> Iterator[str]:
         """The text cut at every marker occurrence, each occurrence cut after its first character."""

@@ -158,22 +158,15 @@ class PromptFrame:
     """
 
     pieces: tuple[str, str, str]
-    system_in_user: bool
 
     @classmethod
     def from_template(cls, template: ChatTemplate) -> PromptFrame:
         attempts = (
-            (
-                [
-                    {"role": "system", "content": _SYSTEM_SENTINEL},
-                    {"role": "user", "content": _USER_SENTINEL},
-                ],
-                False,
-            ),
-            ([{"role": "user", "content": f"{_SYSTEM_SENTINEL}\n\n{_USER_SENTINEL}"}], True),
+            [{"role": "system", "content": _SYSTEM_SENTINEL}, {"role": "user", "content": _USER_SENTINEL}],
+            [{"role": "user", "content": f"{_SYSTEM_SENTINEL}\n\n{_USER_SENTINEL}"}],
         )
         last_error = "no attempt"
-        for messages, folded in attempts:
+        for messages in attempts:
             try:
                 text = template.render(messages, now=DECISION_PROMPT_DATE)
             except TemplateUnusableError as exc:
@@ -184,7 +177,7 @@ class PromptFrame:
                 continue
             head, rest = text.split(_SYSTEM_SENTINEL)
             between, tail = rest.split(_USER_SENTINEL)
-            return cls(pieces=(head, between, tail), system_in_user=folded)
+            return cls(pieces=(head, between, tail))
         raise TemplateUnusableError(f"the chat template cannot render a system + user prompt: {last_error}")
 
 
@@ -239,7 +232,6 @@ PROMPT_FORMATS: dict[str, PromptFormat] = {
     ),
     PROMPT_V2: PromptFormat(PROMPT_V2, "Yes", "No"),
 }
-PROMPT_VERSION = PROMPT_V1  # the default
 
 
 def payload(state: Any, instructions: Any, options: Sequence[tuple[str, Any]]) -> str:

@@ -232,14 +232,22 @@ class Scheduler:
 
     # --- admission (event loop) ----------------------------------------------------------------
     def admit(
-        self, kind: str, request_id: str, cost: Cost | None = None, *, arrived_at: float | None = None
+        self,
+        kind: str,
+        request_id: str,
+        cost: Cost | None = None,
+        *,
+        least: Cost | None = None,
+        arrived_at: float | None = None,
     ) -> Job:
         """Admit a request or refuse it at once (429 queue full, 503 deadline unreachable or stopping,
-        422 when it cannot finish in time even alone). Its deadline runs from `arrived_at` (when
-        the server received it; default now)."""
+        422 when it cannot finish in time even alone). `cost` is what it may take (what the work
+        behind it waits for), `least` what it takes at least (a chat may stop at its first token;
+        default: `cost`). Its deadline runs from `arrived_at` (when the server received it; default now)."""
         now = time.monotonic()
         arrived = now if arrived_at is None else min(arrived_at, now)
         cost = cost or Cost()
+        least = least or cost
         deadline = arrived + self.deadline_seconds
         with self._cond:
             if self._closed:
@@ -255,12 +263,12 @@ class Scheduler:
                     code="queue_full",
                     headers={"Retry-After": str(retry_after)},
                 )
-            own = self.costs.predict(cost) if cost.tokens else None
+            own = self.costs.predict(least) if least.tokens else None
             if own is not None:
                 if own > REFUSE_FACTOR * self.deadline_seconds:
                     self._metrics.rejections.labels("request_exceeds_deadline").inc()
                     raise RequestExceedsDeadlineError(
-                        f"this request is {cost.tokens} tokens of work, about {own:.0f} s on this endpoint, "
+                        f"this request is {least.tokens} tokens of work, about {own:.0f} s on this endpoint, "
                         f"more than the {self.deadline_seconds:g} s deadline (DECIDER_DEADLINE_SECONDS) even "
                         "with nothing else running; send fewer questions or states per request"
                     )
@@ -284,7 +292,7 @@ class Scheduler:
     def enqueue(self, kind: str, request_id: str, work: Work, *, arrived_at: float | None = None) -> Job:
         """Admit and submit in one call, so no cancellation can fall between the two (a job admitted
         and never submitted would count as waiting forever). The job's `future` is the outcome."""
-        job = self.admit(kind, request_id, work.cost, arrived_at=arrived_at)
+        job = self.admit(kind, request_id, work.cost, least=work.least_cost, arrived_at=arrived_at)
         job.future = self.submit(job, work)
         return job
 
@@ -426,7 +434,7 @@ class Scheduler:
         assert self._seqs is not None
         if not self._seqs.epochs or not self._dead_cells():
             return
-        if any(r.work.in_epoch for r in self._works):  # a started state keeps its cells in place
+        if any(r.work.holds_epoch_cells for r in self._works):  # a started state keeps its cells in place
             return
         live = [HEAD_SEQ, *(seq for r in self._works for seq in r.work.live_seqs)]
         self._seqs.compact(backend, live)
@@ -462,8 +470,8 @@ class Scheduler:
             if step.tokens_left <= 0:
                 break
             step.starts_allowed = not (waiting_ahead or epoch_full)
-            step.decisions_may_start = not any(r.work.runs_alone for r in self._works)
-            step.alone_possible = not any(r.work.in_epoch for r in self._works)
+            step.decisions_may_start = not any(r.work.streams_alone for r in self._works)
+            step.no_state_holds_cells = not any(r.work.holds_epoch_cells for r in self._works)
             before = len(step.rows)
             try:
                 running.work.plan_step(step)

@@ -101,7 +101,7 @@ class Step:
     prefix_holders: int = 0
     starts_allowed: bool = True  # false behind a unit of work that could not start: first come, first served
     decisions_may_start: bool = True  # false while a state too large for one epoch runs alone
-    alone_possible: bool = True  # no decision state holds cells: such a state may start
+    no_state_holds_cells: bool = True  # no decision state holds cells: such a state may start
     rows: list[PlannedRow] = field(default_factory=list)
 
     def may_hold_sequence(self) -> bool:

@@ -47,14 +47,19 @@ class Work(Protocol):
 
     @property
     def cost(self) -> Cost:
-        """What it costs the engine (for admission and the wait estimates)."""
+        """What it costs the engine at most (the wait estimates of the work behind it)."""
+        ...
+
+    @property
+    def least_cost(self) -> Cost:
+        """What it costs the engine at least (whether it can meet its own deadline)."""
         ...
 
     @property
     def started(self) -> bool: ...
 
     @property
-    def in_epoch(self) -> bool:
+    def holds_epoch_cells(self) -> bool:
         """It holds cells a memory epoch must keep (a decision state that started and is open)."""
         ...
 
@@ -64,7 +69,7 @@ class Work(Protocol):
         ...
 
     @property
-    def runs_alone(self) -> bool: ...
+    def streams_alone(self) -> bool: ...
 
     @property
     def prefix_seqs(self) -> int: ...
@@ -192,6 +197,10 @@ class DecisionWork:
         return self.plan.cost
 
     @property
+    def least_cost(self) -> Cost:
+        return self.plan.cost
+
+    @property
     def finished(self) -> bool:
         return all(state.open_items == 0 for state in self.states)
 
@@ -200,7 +209,7 @@ class DecisionWork:
         return any(state.started for state in self.states)
 
     @property
-    def in_epoch(self) -> bool:
+    def holds_epoch_cells(self) -> bool:
         return any(state.started and state.open_items for state in self.states)
 
     @property
@@ -208,7 +217,7 @@ class DecisionWork:
         return any(not state.started and state.open_items for state in self.states)
 
     @property
-    def runs_alone(self) -> bool:
+    def streams_alone(self) -> bool:
         """A state too large for one memory epoch is running: no other state may start beside it."""
         return any(state.streaming and state.started and state.open_items for state in self.states)
 
@@ -258,11 +267,11 @@ class DecisionWork:
         if not step.starts_allowed:
             return False
         if state.streaming:
-            if not step.alone_possible or self.in_epoch:  # nothing else may hold cells beside it
+            if not step.no_state_holds_cells or self.holds_epoch_cells:  # it must hold cells alone
                 return False
             reserve = state.prefix_cells + state.largest_item
         else:
-            if not step.decisions_may_start or self.runs_alone:
+            if not step.decisions_may_start or self.streams_alone:
                 return False
             reserve = state.need
         shared = self.plan.mode == "shared"
@@ -451,9 +460,14 @@ class ChatPlan:
 
     @property
     def cost(self) -> Cost:
-        """The prefill, then one decode per generated token: each costs a whole step."""
+        """The prefill, then one decode per generated token (each costs a whole step), up to max_tokens."""
         prompt = len(self.prompt)
         return Cost(1 + self.max_tokens, prompt + self.max_tokens, span_attended(0, prompt + self.max_tokens))
+
+    @property
+    def least_cost(self) -> Cost:
+        """The prefill and the first token: a generation may end at any token."""
+        return Cost(1, len(self.prompt), span_attended(0, len(self.prompt)))
 
 
 class Sampling(Memory, Protocol):
@@ -491,9 +505,13 @@ class ChatWork:
     def cost(self) -> Cost:
         return self.plan.cost
 
+    @property
+    def least_cost(self) -> Cost:
+        return self.plan.least_cost
+
     prefix_seqs = 0  # a generation never waits for another sequence
-    runs_alone = False
-    in_epoch = False  # its cells are its own: an epoch may end while it runs
+    streams_alone = False
+    holds_epoch_cells = False  # its cells are its own: an epoch may end while it runs
 
     @property
     def started(self) -> bool:
