@@ -23,7 +23,7 @@ from decider.engine.decisions import DecisionPlan, DecisionPlanner
 from decider.engine.labels import LabelError, LabelTable, build_label_table
 from decider.engine.markers import CallerText, MarkerError
 from decider.engine.modelfile import display_name, quantization_from_name, resolve_model_file, verify_sha256
-from decider.engine.native import ContextConfig, LlamaRuntime, NativeError
+from decider.engine.native import ContextConfig, InvarianceUnsupportedError, LlamaRuntime, NativeError
 from decider.engine.prompt import (
     FALLBACK_TEMPLATES,
     PROMPT_FORMATS,
@@ -106,6 +106,11 @@ class DecisionEngine:
         )
         try:
             runtime = LlamaRuntime(path, config)
+        except InvarianceUnsupportedError as exc:
+            if settings.batch_invariant:  # asked for: refuse to claim it
+                raise StartupError(f"{settings.env_name('batch_invariant')}=true: {exc}") from exc
+            # The CPU default: such a model runs without it and says so (model_info.batch_invariant).
+            return cls.load(settings.model_copy(update={"batch_invariant": False}))
         except NativeError as exc:
             raise StartupError(str(exc)) from exc
         try:
