@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server image image-test clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-gpu image image-test clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -57,6 +57,11 @@ bench-engine: setup
 
 bench-server: setup
 	$(BIN)/python -m tools.bench.server
+
+# Pack gpu-pack/ for a GPU machine without network (wheels, llama.cpp sdist, tokenizer, JevBench),
+# check the 64 MiB budget and print the command to run there (tools/gpu/; docs/engine.md).
+bench-gpu: setup
+	$(BIN)/python -m tools.gpu.pack
 
 # The serving image, built and run with Docker (its own commands: never part of `make test`).
 # `make image` installs/starts a Docker Engine and the local base images when needed (tools/image/);

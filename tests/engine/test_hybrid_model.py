@@ -1,6 +1,6 @@
 """The decision paths on the production model's architecture: Qwen3.5 (`qwen35`), a hybrid of gated
 delta-net recurrent layers and attention, as a tiny random-weight GGUF built at test time
-(hybrid_gguf.py). Mechanics, not answers: every decode succeeds, every sequence is released, and
+(tools/qwen35_gguf.py). Mechanics, not answers: every decode succeeds, every sequence is released, and
 shared and fresh answers agree as far as the architecture allows.
 
 Batch invariance does not hold there (llama.cpp splits a hybrid model's decodes into micro-batches
@@ -38,7 +38,8 @@ from decider.errors import StartupError
 from decider.schemas.decision import DecisionResponse, parse_batch_request, parse_decision_request
 from decider.settings import Settings
 from engine_helpers import EXAMPLE
-from hybrid_gguf import ARCH, write_tiny_qwen35
+
+from tools.qwen35_gguf import ARCH, write_qwen35
 
 pytestmark = pytest.mark.model
 
@@ -62,7 +63,7 @@ CASE = {
 
 @pytest.fixture(scope="session")
 def qwen35_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    return write_tiny_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35-Q4_1.gguf", smollm2_path)
+    return write_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35-Q4_1.gguf", smollm2_path)
 
 
 class DecodeLog:

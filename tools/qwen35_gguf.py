@@ -1,21 +1,30 @@
-"""A tiny GGUF of the production model's architecture (Qwen3.5: `qwen35`), random weights, for tests.
+"""GGUFs of the production model's architecture (Qwen3.5: `qwen35`) with random weights.
 
 Qwen3.5 is a hybrid: three gated delta-net (recurrent, linear attention) layers, then one gated
 full-attention layer, repeated (`full_attention_interval` 4). The tensor names, shapes and
 metadata keys are those llama.cpp's loader requires (llama-cpp-python 0.3.36's vendored
-llama.cpp: `src/models/qwen35.cpp`, `src/llama-arch.cpp`); the shapes below are ggml's (ne0
-first), numpy arrays are the reverse. The tokenizer (vocabulary, merges, token types, special
-ids, chat template) is copied from the bundled SmolLM2 GGUF, so the engine's labels and
-ChatML prompt work as on that model. Matrices are Q4_1 (as SmolLM2's), the rest F32:
-about 2.5 MB, written in well under a second.
+llama.cpp: `src/models/qwen35.cpp`, `src/llama-arch.cpp`); shapes are ggml's (ne0 first), numpy
+arrays the reverse. The tokenizer (vocabulary, merges, token types, special ids, chat template)
+is copied from another GGUF, the bundled SmolLM2 (ChatML), so the engine's labels and prompt
+work as on that model.
 
-Nothing here says anything about answers: the weights are noise. It exercises the mechanics
-(hybrid memory: a KV cache for the attention layers beside one recurrent state per sequence).
+- `TINY` (tests/engine/test_hybrid_model.py): 4 layers of 64, Q4_1 matrices as in SmolLM2, the
+  rest F32; about 4 MB, written in a third of a second at test time.
+- `QWEN35_4B` (the GPU benchmark, tools/gpu): Qwen3.5-4B's shape and vocabulary size (the
+  SmolLM2 vocabulary padded with unused tokens), Q4_1; about 2.7 GB, written on the GPU machine.
+  Its rows repeat every `distinct_rows`: speed does not depend on the values.
+
+The weights are noise: nothing here says anything about answers, only about the mechanics (hybrid
+memory: a KV cache for the attention layers beside one recurrent state per sequence) and speed.
+
+    python -m tools.qwen35_gguf --tokenizer T.gguf --shape 4b --out qwen35-4b-random.gguf
 """
 
 from __future__ import annotations
 
+import argparse
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +36,8 @@ ARCH = "qwen35"
 
 @dataclass(frozen=True)
 class HybridShape:
-    """Hyperparameters: the real Qwen3.5-4B has 32 layers of 2560, 16 heads of 256, 16 key and 32
-    value heads of 128 in its delta-net layers. Kept in the same proportions where it matters
-    (fewer key heads than value heads, partial rotary, multi-section rope)."""
+    """Hyperparameters. The defaults are TINY: the proportions of the real model where they matter
+    (fewer key heads than value heads in the delta-net layers, partial rotary, multi-section rope)."""
 
     n_embd: int = 64
     n_layer: int = 4
@@ -45,23 +53,46 @@ class HybridShape:
     ssm_groups: int = 2  # linear_num_key_heads
     ssm_v_heads: int = 4  # linear_num_value_heads
     context_length: int = 32768
+    n_vocab: int | None = None  # None: the tokenizer's; larger: padded with unused tokens
+    distinct_rows: int | None = None  # None: every row random; else rows repeat (fast at full size)
 
     def is_recurrent(self, layer: int) -> bool:
         return (layer + 1) % self.full_attention_interval != 0
 
 
-def write_tiny_qwen35(
-    path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: HybridShape | None = None
-) -> Path:
+TINY = HybridShape()
+# Qwen3.5-4B (llama.cpp's loader: 32 layers of 2560 is its "4B"; the rest from the model's config):
+# 16 query heads and 4 KV heads of 256, a 9216 FFN, delta-net layers with 16 key heads and 32 value
+# heads of 128, a 4-tap convolution, rope over a quarter of each head in sections 11/11/10.
+QWEN35_4B = HybridShape(
+    n_embd=2560,
+    n_layer=32,
+    n_head=16,
+    n_head_kv=4,
+    head_dim=256,
+    rope_dim=64,
+    rope_sections=(11, 11, 10, 0),
+    n_ff=9216,
+    ssm_state=128,
+    ssm_groups=16,
+    ssm_v_heads=32,
+    context_length=262144,
+    n_vocab=248320,
+    distinct_rows=256,
+)
+SHAPES = {"tiny": TINY, "4b": QWEN35_4B}
+
+
+def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: HybridShape = TINY) -> Path:
     """Write the model to `path`, with `tokenizer_gguf`'s tokenizer; returns `path`."""
-    s = shape or HybridShape()
+    s = shape
     rng = np.random.default_rng(seed)
-    tokenizer = read_tokenizer(tokenizer_gguf)
+    tokenizer = _padded(read_tokenizer(tokenizer_gguf), s.n_vocab)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])
 
     writer = gguf.GGUFWriter(path, ARCH)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name("tiny-qwen35-random")
+    writer.add_name(f"qwen35-random-{s.n_layer}x{s.n_embd}")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
     writer.add_context_length(s.context_length)
     writer.add_embedding_length(s.n_embd)
@@ -85,8 +116,11 @@ def write_tiny_qwen35(
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
 
     def matrix(name: str, ne0: int, ne1: int, scale: float = 0.05) -> None:
-        data = rng.normal(0.0, scale, size=(ne1, ne0)).astype(np.float32)
+        rows = ne1 if s.distinct_rows is None else min(ne1, s.distinct_rows)
+        data = rng.normal(0.0, scale, size=(rows, ne0)).astype(np.float32)
         quantized = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1)
+        if rows < ne1:
+            quantized = np.tile(quantized, (-(-ne1 // rows), 1))[:ne1]
         writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
 
     def vector(name: str, values: np.ndarray) -> None:
@@ -130,6 +164,38 @@ def write_tiny_qwen35(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tokenizer_only(path: Path, source_gguf: Path) -> Path:
+    """A GGUF holding only `source_gguf`'s tokenizer keys (no tensors): what `write_qwen35` reads.
+    SmolLM2's is about 2 MB, where the whole model is 93 MB."""
+    writer = gguf.GGUFWriter(path, ARCH)
+    for key, (vtype, value, sub_type) in read_tokenizer(source_gguf).items():
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _padded(tokenizer: dict[str, Value], n_vocab: int | None) -> dict[str, Value]:
+    """The vocabulary grown to `n_vocab` with unused tokens (text never tokenizes to them)."""
+    tokens_type, tokens, tokens_item = tokenizer["tokenizer.ggml.tokens"]
+    types_type, types, types_item = tokenizer["tokenizer.ggml.token_type"]
+    assert isinstance(tokens, list) and isinstance(types, list)
+    if n_vocab is None or n_vocab <= len(tokens):
+        return tokenizer
+    extra = range(n_vocab - len(tokens))
+    return {
+        **tokenizer,
+        "tokenizer.ggml.tokens": (tokens_type, [*tokens, *(f"<|unused_{i}|>" for i in extra)], tokens_item),
+        "tokenizer.ggml.token_type": (
+            types_type,
+            [*types, *(int(gguf.TokenType.UNUSED) for _ in extra)],
+            types_item,
+        ),
+    }
 
 
 # GGUF scalar value types: struct format (gguf.GGUFValueType numbering).
@@ -183,3 +249,21 @@ def read_tokenizer(path: Path) -> dict[str, Value]:
         if key.startswith("tokenizer."):
             out[key] = entry
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write a random-weight Qwen3.5 GGUF.")
+    parser.add_argument("--tokenizer", type=Path, required=True, help="a GGUF whose tokenizer to copy")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    partial = args.out.with_suffix(".partial")
+    write_qwen35(partial, args.tokenizer, shape=SHAPES[args.shape])
+    partial.replace(args.out)
+    print(f"{args.out}: {args.out.stat().st_size / 2**30:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
