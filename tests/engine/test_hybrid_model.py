@@ -89,8 +89,10 @@ class DecodeLog:
 
 @pytest.fixture(scope="session")
 def hybrid(qwen35_path: Path) -> Iterator[tuple[DecisionEngine, DecodeLog]]:
-    """One engine on the tiny Qwen3.5, shared by this module (load: about 0.3 s)."""
-    engine = DecisionEngine.load(Settings(model_path=qwen35_path, n_ctx=4096, max_state_tokens=2048))
+    """One engine on the tiny Qwen3.5, shared by this module (load: about 0.3 s). `n_batch` 512: a
+    state of more than 512 tokens is prefilled over several steps."""
+    settings = Settings(model_path=qwen35_path, n_ctx=4096, n_batch=512, max_state_tokens=2048)
+    engine = DecisionEngine.load(settings)
     engine.decide(parse_decision_request(EXAMPLE))  # starts the private scheduler
     log = DecodeLog(engine.runtime)
     yield engine, log
@@ -191,6 +193,21 @@ def test_multi_token_labels_read_by_the_chain_rule_agree_across_modes(engine: De
     assert list(answers["fresh"].probabilities.values()) == pytest.approx(
         list(answers["shared"].probabilities.values()), abs=AGREE
     )
+
+
+def test_a_long_state_and_more_branches_than_sequences(engine: DecisionEngine) -> None:
+    """A state prefilled over two steps, then 36 branches (12 questions in 3 option orders) for 31
+    free sequences: branches wait for sequences, each copying the state's recurrent state."""
+    state = " ".join(f"Line {i}: the customer wrote again about order {1000 + i}." for i in range(45))
+    criteria = {"a": "Yes", "b": "No", "c": None}
+    questions = {
+        f"q{i}": {"type": "choice", "instructions": f"Topic {i}?", "criteria": criteria} for i in range(12)
+    }
+    body = {"state": state, "questions": questions, "extensions": True}
+    permuted = decide(engine, body, permutations=3)
+    assert permuted.extensions["prefix_tokens"] > 512 and permuted.extensions["branches"] == 36
+    assert permuted.extensions["decodes"] > 3
+    assert_agree(distributions(decide(engine, body, mode="fresh")), distributions(decide(engine, body)))
 
 
 def test_the_batch_route_answers_every_state_as_alone(engine: DecisionEngine) -> None:

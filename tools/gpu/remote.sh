@@ -40,16 +40,17 @@ for dir in /usr/local/cuda/bin /usr/local/cuda-13.0/bin; do
   [ -d "$dir" ] && PATH=$dir:$PATH
 done
 export PATH
-for tool in python3.12 nvcc cmake ninja; do
-  command -v "$tool" >/dev/null || { echo "bench-gpu: $tool not found" >&2; exit 2; }
+PYTHON=${PYTHON:-python3.12}
+for tool in "$PYTHON" nvcc cmake ninja; do
+  "$tool" --version >/dev/null 2>&1 || { echo "bench-gpu: $tool not found (or it does not run)" >&2; exit 2; }
 done
 say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'nvidia-smi: no answer')"
-say "$(nvcc --version | tail -1); $(cmake --version | head -1); ninja $(ninja --version); $(python3.12 --version); $(nproc) cores"
+say "$(nvcc --version | tail -1); $(cmake --version | head -1); ninja $(ninja --version); $("$PYTHON" --version); $(nproc) cores"
 
 # --- the venv, offline ------------------------------------------------------------------------------
 if [ ! -f "$VENV/.deps" ]; then
   need 60 "the venv"
-  python3.12 -m venv "$VENV"
+  "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-index --find-links "$PACK/wheels" \
     -r "$PACK/requirements.txt" -c "$PACK/constraints.txt"
   # The repository's packages, from the tree (no setuptools here): a .pth and the `serve` script.
