@@ -23,7 +23,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
-from decider.engine import DecisionEngine
+from decider.engine import DecisionEngine, native
 from decider.engine.labels import READOUT_CHAIN, build_label_table
 from decider.engine.native import (
     ContextConfig,
@@ -159,6 +159,46 @@ def test_batch_invariance_is_refused_on_a_hybrid_model(qwen35_path: Path) -> Non
     message = str(refused.value)
     assert message.startswith("DECIDER_BATCH_INVARIANT=true: ") and "recurrent" in message
     assert "\n" not in message
+
+
+def test_why_invariance_cannot_hold_there_a_row_beside_another_sequence_changes(
+    qwen35_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch-invariant configuration forced onto the hybrid (micro-batches of at most 63 tokens,
+    the pad, no repacking): sequence B's logits change when A is decoded beside it. llama.cpp splits
+    a hybrid decode into micro-batches of equal tokens per sequence, so B's 601st token is left alone
+    in one, over 512 cells: the split-KV attention path. (On SmolLM2 the same is bitwise equal.) If
+    this starts to pass bitwise, llama.cpp changed its split and the refusal can be revisited."""
+    monkeypatch.setattr(LlamaRuntime, "recurrent", property(lambda self: False))  # let it load
+    monkeypatch.setattr(native, "_select_invariant_kernels", lambda: None)  # Q4_1: no K-quant matmul
+    config = ContextConfig(
+        n_ctx=2048,
+        n_batch=2048,
+        n_ubatch=63,
+        n_seq_max=8,
+        n_threads=2,
+        n_gpu_layers=0,
+        flash_attn=True,
+        batch_invariant=True,
+    )
+    runtime = LlamaRuntime(qwen35_path, config)
+    tokens = runtime.tokenize("Some words about the sea, the wind and the ships. " * 120, special=False)
+    a, b = tokens[:600], tokens[700:1301]
+    spec = OutputSpec(token_ids=tuple(range(256)))
+
+    def logits(rows: list[Row]) -> list[np.ndarray]:
+        runtime.clear()
+        runtime.decode(rows)
+        return [row.result.logits.copy() for row in rows if row.result is not None]
+
+    try:
+        (b_alone,) = logits([Row(2, b, 0, spec)])
+        a_beside, b_beside = logits([Row(1, a, 0, spec), Row(2, b, 0, spec)])
+        (a_alone,) = logits([Row(1, a, 0, spec)])
+    finally:
+        runtime.close()
+    assert np.array_equal(a_alone, a_beside)  # A's micro-batches hold 2 to 63 rows either way
+    assert not np.array_equal(b_alone, b_beside), "llama.cpp no longer leaves B's last token alone"
 
 
 def test_shared_fan_out_and_fresh_mode_agree(engine: DecisionEngine) -> None:
