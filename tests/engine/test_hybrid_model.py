@@ -120,6 +120,27 @@ def assert_released(engine: DecisionEngine) -> None:
     assert held == [HEAD_SEQ]  # only the cached prompt head has cells (and a recurrent state)
 
 
+def context(n_ctx: int, n_batch: int, n_ubatch: int, *, invariant: bool = False) -> ContextConfig:
+    """A context of 8 sequences and 2 threads (the one place that knows ContextConfig's fields)."""
+    return ContextConfig(
+        n_ctx=n_ctx,
+        n_batch=n_batch,
+        n_ubatch=n_ubatch,
+        n_seq_max=8,
+        n_threads=2,
+        n_gpu_layers=0,
+        flash_attn=True,
+        batch_invariant=invariant,
+    )
+
+
+def force_invariance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let a batch-invariant context load on the hybrid (the runtime refuses it), without touching the
+    process-wide kernel choice (the tiny model's Q4_1 matmuls have no K-quant tiled path anyway)."""
+    monkeypatch.setattr(LlamaRuntime, "recurrent", property(lambda self: False))
+    monkeypatch.setattr(native, "_select_invariant_kernels", lambda: None)
+
+
 def decide(engine: DecisionEngine, body: dict[str, Any], **extra: Any) -> DecisionResponse:
     return engine.decide(parse_decision_request({**body, **extra}))
 
@@ -169,18 +190,8 @@ def test_why_invariance_cannot_hold_there_a_row_beside_another_sequence_changes(
     a hybrid decode into micro-batches of equal tokens per sequence, so B's 601st token is left alone
     in one, over 512 cells: the split-KV attention path. (On SmolLM2 the same is bitwise equal.) If
     this starts to pass bitwise, llama.cpp changed its split and the refusal can be revisited."""
-    monkeypatch.setattr(LlamaRuntime, "recurrent", property(lambda self: False))  # let it load
-    monkeypatch.setattr(native, "_select_invariant_kernels", lambda: None)  # Q4_1: no K-quant matmul
-    config = ContextConfig(
-        n_ctx=2048,
-        n_batch=2048,
-        n_ubatch=63,
-        n_seq_max=8,
-        n_threads=2,
-        n_gpu_layers=0,
-        flash_attn=True,
-        batch_invariant=True,
-    )
+    force_invariance(monkeypatch)
+    config = context(2048, 2048, 63, invariant=True)
     runtime = LlamaRuntime(qwen35_path, config)
     tokens = runtime.tokenize("Some words about the sea, the wind and the ships. " * 120, special=False)
     a, b = tokens[:600], tokens[700:1301]
@@ -310,9 +321,7 @@ def test_a_full_memory_splits_the_decode(
 
 def test_a_refused_decode_leaves_the_recurrent_state_untouched(qwen35_path: Path) -> None:
     """A real `llama_decode` == 1 on hybrid memory: nothing moves, not even a recurrent state."""
-    config = ContextConfig(
-        n_ctx=256, n_batch=256, n_ubatch=256, n_seq_max=4, n_threads=1, n_gpu_layers=0, flash_attn=True
-    )
+    config = context(256, 256, 256)
     runtime = LlamaRuntime(qwen35_path, config)
     tokens = runtime.tokenize("The quick brown fox jumps over the lazy dog. " * 30, special=False)[:200]
     spec = OutputSpec(token_ids=tuple(range(64)))
