@@ -110,11 +110,11 @@ def test_an_oversized_pack_is_refused_naming_its_parts() -> None:
 
 def test_the_real_tree_leaves_room_for_the_pack() -> None:
     """The budget arithmetic on this working tree and the sizes the pack had when written
-    (wheels 23.4, sdist 3.5, tokenizer 1.7, cases 0.8 MiB), with a quarter of margin."""
+    (wheels 25.1, sdist 3.5, tokenizer 1.7, cases 0.8 MiB), with a quarter of margin."""
     tree = pack.size_of(pack.tree_files(REPO))
     assert not any(path.is_relative_to(REPO / pack.PACK_DIR) for path in pack.tree_files(REPO))
     measured = [
-        pack.Part(name, int(size * 2**20)) for name, size in (("w", 23.4), ("s", 3.5), ("t", 1.7), ("c", 0.8))
+        pack.Part(name, int(size * 2**20)) for name, size in (("w", 25.1), ("s", 3.5), ("t", 1.7), ("c", 0.8))
     ]
     total = pack.check_budget(tree, measured)
     assert total * 1.25 < pack.TREE_LIMIT_BYTES
@@ -213,6 +213,24 @@ def test_the_launcher_stands_the_generated_model_in_for_the_bundled_one(
     import decider.engine.bundled as bundled
 
     monkeypatch.setattr(bundled, "smollm2_path", bundled.smollm2_path)  # restored after the test
+    monkeypatch.setattr(launch, "packed_cases", lambda: None)
     assert launch.main(["fake", str(model), "--quick"]) == 0
     assert seen == {"argv": ["--model", str(model.resolve()), "--quick"], "bundled": model.resolve()}
     assert launch.main(["nope", str(model)]) == 2
+
+
+def test_the_launcher_reads_the_packed_cases_when_shared_has_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tools.evaluate import cases
+
+    monkeypatch.setattr(cases, "JEVBENCH_DIR", tmp_path / "nowhere")
+    monkeypatch.setattr(cases, "JEVBENCH_240_CASES", tmp_path / "nowhere" / "cases.jsonl")
+    launch.packed_cases(tmp_path / "shared")
+    expected = tmp_path / "shared" / pack.JEVBENCH_RELATIVE / "suites" / "jevbench-240" / "cases.jsonl"
+    assert expected == cases.JEVBENCH_240_CASES
+    here = tmp_path / "here.jsonl"
+    here.write_text("{}\n")
+    monkeypatch.setattr(cases, "JEVBENCH_240_CASES", here)
+    launch.packed_cases(tmp_path / "shared")
+    assert here == cases.JEVBENCH_240_CASES  # the usual copy wins

@@ -1,7 +1,8 @@
 """Run a benchmark on the GPU machine with a generated model standing in for the bundled one.
 
 The bundled SmolLM2 (93 MB) does not fit the 64 MiB that travel, and the benchmarks look it up even
-when `--model` is given (their default). Here that lookup answers the generated model instead:
+when `--model` is given (their default). Here that lookup answers the generated model instead. The
+JevBench cases come from gpu-pack/shared/ when ../shared (where the benchmarks read them) has none.
 
     python -m tools.gpu.launch engine|server MODEL.gguf [benchmark arguments...]
 """
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = ("engine", "server")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKED_SHARED = REPO_ROOT / "gpu-pack" / "shared"
 
 
 def stand_in(model: Path) -> None:
@@ -25,6 +28,18 @@ def stand_in(model: Path) -> None:
     bundled.smollm2_path = smollm2_path  # type: ignore[assignment]
 
 
+def packed_cases(shared: Path = PACKED_SHARED) -> None:
+    """Point the benchmarks' JevBench paths at the packed copy, unless the usual one is there."""
+    from tools.evaluate import cases
+
+    if cases.JEVBENCH_240_CASES.is_file():
+        return
+    from tools.gpu.pack import JEVBENCH_RELATIVE
+
+    cases.JEVBENCH_DIR = shared / JEVBENCH_RELATIVE
+    cases.JEVBENCH_240_CASES = cases.JEVBENCH_DIR / "suites" / "jevbench-240" / "cases.jsonl"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or args[0] not in BENCHMARKS:
@@ -35,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     if not model.is_file():
         print(f"{model} is not a file", file=sys.stderr)
         return 2
-    stand_in(model)  # before the benchmark module imports it
+    stand_in(model)  # both before the benchmark module imports them
+    packed_cases()
     module = importlib.import_module(f"tools.bench.{name}")
     return int(module.main(["--model", str(model), *rest]))
 

@@ -40,8 +40,9 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
 # Packages the benchmarks need beyond the container's runtime, pinned in requirements.txt.
 BENCH_PACKAGES = ("rich", "httpx", "gguf", "PyYAML")
-# Builds the llama-cpp-python sdist there (pip --no-build-isolation: nothing to download).
-BUILD_REQUIREMENTS = ("scikit-build-core==1.1.2",)
+# Builds the llama-cpp-python sdist there (pip --no-build-isolation: nothing to download); pip itself
+# for a Python whose venv module has no ensurepip (the Makefile's pin).
+BUILD_REQUIREMENTS = ("scikit-build-core==1.1.2", "pip==25.3")
 # llama.cpp paths (under vendor/llama.cpp/) a CUDA build of llama-cpp-python never reads with its
 # CMake options (LLAVA_BUILD=OFF; tests, tools and examples are off when llama.cpp is a subproject).
 SDIST_DROPPED = (

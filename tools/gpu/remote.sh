@@ -50,7 +50,11 @@ say "$(nvcc --version | tail -1); $(cmake --version | head -1); ninja $(ninja --
 # --- the venv, offline ------------------------------------------------------------------------------
 if [ ! -f "$VENV/.deps" ]; then
   need 60 "the venv"
-  "$PYTHON" -m venv "$VENV"
+  if ! "$PYTHON" -m venv "$VENV" 2>/dev/null; then  # no ensurepip: bootstrap the carried pip wheel
+    rm -rf "$VENV" && "$PYTHON" -m venv --without-pip "$VENV"
+    pip_wheel=$(ls "$PACK"/wheels/pip-*.whl)
+    "$VENV/bin/python" "$pip_wheel/pip" install --quiet --no-index "$pip_wheel"
+  fi
   "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-index --find-links "$PACK/wheels" \
     -r "$PACK/requirements.txt" -c "$PACK/constraints.txt"
   # The repository's packages, from the tree (no setuptools here): a .pth and the `serve` script.
@@ -89,15 +93,10 @@ if ! "$VENV/bin/python" -c 'import llama_cpp, sys; sys.exit(not llama_cpp.llama_
   say "llama-cpp-python built with CUDA"
 fi
 
-# --- the model and the data -------------------------------------------------------------------------
+# --- the model ---------------------------------------------------------------------------------------
 if [ ! -f "$MODEL" ]; then
   need 90 "writing the model"
   "$VENV/bin/python" -m tools.qwen35_gguf --tokenizer "$PACK/tokenizer.gguf" --shape 4b --out "$MODEL"
-fi
-# The benchmarks read JevBench from ../shared (tools/evaluate/cases.py).
-SHARED_DATA=$(dirname "$REPO")/shared/data
-if [ ! -e "$SHARED_DATA/jevbench" ]; then
-  mkdir -p "$SHARED_DATA" && ln -s "$PACK/shared/data/jevbench" "$SHARED_DATA/jevbench"
 fi
 
 # --- the benchmarks, every layer on the GPU ---------------------------------------------------------
