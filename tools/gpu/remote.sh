@@ -69,8 +69,8 @@ fi
 
 # --- llama-cpp-python with CUDA (sm_90); an interrupted build resumes in .gpu/llama-build ------------
 if ! "$VENV/bin/python" -c 'import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())' 2>/dev/null; then
-  if ! find /usr/local/cuda*/include /usr/local/cuda*/targets/*/include /usr/include -maxdepth 1 \
-      -name cublas_v2.h 2>/dev/null | grep -q .; then
+  if ! { find /usr/local/cuda*/include /usr/local/cuda*/targets/*/include /usr/include -maxdepth 1 \
+      -name cublas_v2.h 2>/dev/null || true; } | grep -q .; then
     say "warning: no cublas_v2.h under /usr/local/cuda* or /usr/include: llama.cpp's CUDA backend links cuBLAS"
   fi
   need 240 "the llama.cpp CUDA build"
