@@ -165,6 +165,9 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
     tokenizer = pack.size_of([out / "tokenizer.gguf"])
     assert 1_000_000 < tokenizer < 3_000_000  # SmolLM2's tokenizer without its 93 MB of weights
     assert [part.name for part in parts][:3] == ["wheels", "llama.cpp sdist", "tokenizer"]
+    stale = out / "llama_cpp_python-0.3.35.tar.gz"
+    stale.write_bytes(b"old")
+    (out / "wheels" / "numpy-1.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"old")
     pack.pack(
         repo,
         run=fake,
@@ -173,7 +176,10 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
         tokenizer_source=lambda: smollm2_path,
         jevbench=jevbench,
     )
-    assert len(fake.commands) == 3  # the trimmed sdist and the tokenizer are kept; pip rechecks the wheels
+    assert len(fake.commands) == 3  # the trimmed sdist and the tokenizer are kept; the wheels fetched again
+    assert not stale.exists() and [p.name for p in (out / "wheels").iterdir()] == [
+        "numpy-2.4.6-cp312-cp312-manylinux_2_28_x86_64.whl"
+    ]
     text = pack.instructions(pack.check_budget(0, parts), parts, 0)
     assert f"    {pack.REMOTE_COMMAND}\n" in text and 'carry ["gpu-pack"]' in text
 

@@ -244,12 +244,14 @@ def pack(
     tokenizer_source: Callable[[], Path] | None = None,
     jevbench: Path | None = None,
 ) -> list[Part]:
-    """Fill `repo/gpu-pack/` (rerunnable: pip keeps what it already downloaded). Returns its parts."""
+    """Fill `repo/gpu-pack/`. Rerunnable: the wheels are fetched again (from pip's cache), the trimmed
+    sdist and the tokenizer kept while their versions stand. Returns the pack's parts."""
     from tools.evaluate.cases import JEVBENCH_DIR
 
     out = repo / PACK_DIR
     wheels = out / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(wheels, ignore_errors=True)  # no stale versions (pip's cache makes this cheap)
+    wheels.mkdir(parents=True)
     requirements = out / "requirements.txt"
     requirements.write_text("\n".join(gpu_requirements(repo)) + "\n", encoding="utf-8")
     constraint = out / "constraints.txt"
@@ -259,6 +261,9 @@ def pack(
     requirement = llama_cpp_requirement(repo)
     name, version = requirement.split("==")
     sdist = out / f"{name.replace('-', '_')}-{version}.tar.gz"
+    for stale in out.glob(f"{name.replace('-', '_')}-*.tar.gz"):
+        if stale != sdist:
+            stale.unlink()
     if not sdist.is_file():
         with tempfile.TemporaryDirectory() as tmp:
             run(sdist_download_command(pip, Path(tmp), requirement))
