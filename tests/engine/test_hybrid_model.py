@@ -34,7 +34,7 @@ from decider.engine.native import (
     Row,
 )
 from decider.engine.work import HEAD_SEQ, ChatWork, DecisionWork
-from decider.errors import StartupError
+from decider.errors import StartupError, UnavailableError
 from decider.schemas.decision import DecisionResponse, parse_batch_request, parse_decision_request
 from decider.settings import Settings
 from engine_helpers import EXAMPLE
@@ -116,7 +116,9 @@ def assert_released(engine: DecisionEngine) -> None:
     assert not scheduler._works and not scheduler._admitted
     assert pool.available == engine.runtime.n_seq_max - len(pool.reserved)
     memory = engine.runtime._mem
-    held = [s for s in range(engine.runtime.n_seq_max) if llama_cpp.llama_memory_seq_pos_max(memory, s) >= 0]
+    # On hybrid memory pos_max is the smaller of the two caches' answers and pos_min the larger: a
+    # sequence left in either one (KV cells or a recurrent state) has pos_min >= 0.
+    held = [s for s in range(engine.runtime.n_seq_max) if llama_cpp.llama_memory_seq_pos_min(memory, s) >= 0]
     assert held == [HEAD_SEQ]  # only the cached prompt head has cells (and a recurrent state)
 
 
@@ -296,24 +298,33 @@ def test_concurrent_requests_and_a_chat_share_decodes(engine: DecisionEngine) ->
         assert_agree(distributions(future.result(30)), expected)
 
 
-def test_a_full_memory_splits_the_decode(
+def test_a_full_memory_splits_the_decode_and_a_row_that_never_fits_fails_alone(
     engine: DecisionEngine, hybrid: tuple[DecisionEngine, DecodeLog]
 ) -> None:
-    """llama.cpp finds no slot for a multi-row decode: the scheduler halves it until the rows fit."""
+    """llama.cpp finds no slot for a multi-row decode: the scheduler halves it until the rows fit;
+    a request whose prefix never fits fails alone (503 kv_cache_full), its sequences released."""
     log = hybrid[1]
     expected = [distributions(decide(engine, body)) for body in (CASE, EXAMPLE)]
+    doomed = {**CASE, "state": "§§§§"}  # no other prompt has this token
+    marker = engine.caller_text.tokenize(doomed["state"])[0]
     refused = []
 
-    def no_slot_for_several_rows(rows: list[Row]) -> None:
-        if len(rows) > 1 and len(refused) < 4:
+    def no_slot(rows: list[Row]) -> None:
+        if any(marker in row.tokens for row in rows) or (len(rows) > 1 and len(refused) < 4):
             refused.append(len(rows))
             raise KvCacheFullError("no memory slot")
 
-    log.fault = no_slot_for_several_rows
-    works = [engine.decision_work(engine.plan_decision(parse_decision_request(b))) for b in (CASE, EXAMPLE)]
-    futures = [submit(engine, work)[1] for work in works]
-    got = [distributions(future.result(30)) for future in futures]
-    assert refused and log.outcomes.count("KvCacheFullError") == len(refused)
+    log.fault = no_slot
+    bodies = (CASE, doomed, EXAMPLE)
+    futures = [
+        submit(engine, engine.decision_work(engine.plan_decision(parse_decision_request(b))))[1]
+        for b in bodies
+    ]
+    error = futures[1].exception(30)
+    assert isinstance(error, UnavailableError) and error.code == "kv_cache_full"
+    got = [distributions(futures[i].result(30)) for i in (0, 2)]
+    assert 1 in refused and any(n > 1 for n in refused)
+    assert log.outcomes.count("KvCacheFullError") == len(refused)
     log.outcomes = [outcome for outcome in log.outcomes if outcome != "KvCacheFullError"]
     for answers, alone in zip(got, expected, strict=True):
         assert_agree(answers, alone)
