@@ -3,10 +3,11 @@ delta-net recurrent layers and attention, as a tiny random-weight GGUF built at 
 (tools/qwen35_gguf.py). Mechanics, not answers: every decode succeeds, every sequence is released, and
 shared and fresh answers agree as far as the architecture allows.
 
-Batch invariance does not hold there (llama.cpp splits a hybrid model's decodes into micro-batches
-of equal tokens per sequence, not into n_ubatch runs): with the batch-invariant kernels and the pad
-on, fresh and shared answers still differed on 2 of 8 JevBench cases (max |Δp| 5e-4; alone, in
-case and concurrently they matched). So the engine refuses DECIDER_BATCH_INVARIANT=true on such a
+Batch invariance does not hold there: llama.cpp splits a hybrid model's decodes into micro-batches
+of equal tokens per sequence, not into n_ubatch runs, so a row can end alone in one (isolated in
+`test_why_invariance_cannot_hold_there_...`). With the batch-invariant kernels and the pad forced on,
+fresh and shared answers differed on 2 of 8 JevBench cases (max |Δp| 5e-4; alone, in case and
+concurrently they matched there). So the engine refuses DECIDER_BATCH_INVARIANT=true on such a
 model and leaves it off by default.
 """
 
@@ -89,7 +90,7 @@ class DecodeLog:
 
 @pytest.fixture(scope="session")
 def hybrid(qwen35_path: Path) -> Iterator[tuple[DecisionEngine, DecodeLog]]:
-    """One engine on the tiny Qwen3.5, shared by this module (load: about 0.3 s). `n_batch` 512: a
+    """One engine on the tiny Qwen3.5 for the session (load: about 0.3 s). `n_batch` 512: a
     state of more than 512 tokens is prefilled over several steps."""
     settings = Settings(model_path=qwen35_path, n_ctx=4096, n_batch=512, max_state_tokens=2048)
     engine = DecisionEngine.load(settings)
@@ -101,7 +102,8 @@ def hybrid(qwen35_path: Path) -> Iterator[tuple[DecisionEngine, DecodeLog]]:
 
 @pytest.fixture
 def engine(hybrid: tuple[DecisionEngine, DecodeLog]) -> Iterator[DecisionEngine]:
-    """The shared engine; after each test every decode has succeeded and every sequence is free."""
+    """The hybrid engine (in this module, in place of tests/conftest.py's SmolLM2 `engine`); after each
+    test every decode has succeeded and every sequence is free."""
     engine, log = hybrid
     log.outcomes.clear()
     yield engine
