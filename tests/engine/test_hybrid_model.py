@@ -361,33 +361,36 @@ def test_a_cancelled_decode_stops_inside_llama_decode_and_leaves_the_engine_clea
     engine: DecisionEngine, hybrid: tuple[DecisionEngine, DecodeLog]
 ) -> None:
     """The caller goes away while its decode runs: llama.cpp's abort callback stops the decode between
-    graph nodes (after some micro-batches), the work's sequences go whole, recurrent states with them."""
+    graph nodes (halfway through the work's checks), the work's sequences go whole, recurrent states
+    with them, and the same request then answers as before, bitwise."""
     log = hybrid[1]
     fresh = {**CASE, "mode": "fresh"}
-    before = decide(engine, fresh).to_wire()
-    job = engine._local.admit("decision", uuid.uuid4().hex)
-    checks = []
     real = log.real
+    checks: list[int] = []
+    cancel: dict[str, Any] = {}
 
-    def cancel_midway(rows: list[Row], *, should_abort: Callable[[], bool] | None = None) -> None:
+    def counting(rows: list[Row], *, should_abort: Callable[[], bool] | None = None) -> None:
         def abort() -> bool:
             checks.append(1)
-            if len(checks) == 400:
-                job.cancel()
+            if len(checks) == cancel.get("at"):
+                cancel["job"].cancel()
             return should_abort is not None and should_abort()
 
         real(rows, should_abort=abort)
 
-    log.real = cancel_midway  # type: ignore[assignment]
+    log.real = counting  # type: ignore[assignment]
     try:
+        before = decide(engine, fresh).to_wire()
+        total, checks[:] = len(checks), []
+        cancel["job"], cancel["at"] = engine._local.admit("decision", uuid.uuid4().hex), total // 2
         started = time.monotonic()
-        future = engine._local.submit(
-            job, engine.decision_work(engine.plan_decision(parse_decision_request(fresh)))
-        )
+        work = engine.decision_work(engine.plan_decision(parse_decision_request(fresh)))
+        future = engine._local.submit(cancel["job"], work)
         assert type(future.exception(30)).__name__ == "ClientGoneError"
         assert time.monotonic() - started < 5
     finally:
         log.real = real  # type: ignore[assignment]
-    assert log.outcomes[-1] == DecodeAbortedError.__name__ and len(checks) >= 400
+    assert total > 100 and total // 2 <= len(checks) < total  # stopped soon after it was cancelled
+    assert log.outcomes[-1] == DecodeAbortedError.__name__
     log.outcomes.pop()
     assert decide(engine, fresh).to_wire() == before
