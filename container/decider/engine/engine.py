@@ -23,7 +23,7 @@ from decider.engine.decisions import DecisionPlan, DecisionPlanner
 from decider.engine.labels import LabelError, LabelTable, build_label_table
 from decider.engine.markers import CallerText, MarkerError
 from decider.engine.modelfile import display_name, quantization_from_name, resolve_model_file, verify_sha256
-from decider.engine.native import ContextConfig, LlamaRuntime, NativeError
+from decider.engine.native import ContextConfig, InvarianceUnsupportedError, LlamaRuntime, NativeError
 from decider.engine.prompt import (
     FALLBACK_TEMPLATES,
     PROMPT_FORMATS,
@@ -104,6 +104,8 @@ class DecisionEngine:
         )
         try:
             runtime = LlamaRuntime(path, config)
+        except InvarianceUnsupportedError as exc:  # asked for on a model where it cannot hold
+            raise StartupError(f"{settings.env_name('batch_invariant')}=true: {exc}") from exc
         except NativeError as exc:
             raise StartupError(str(exc)) from exc
         try:

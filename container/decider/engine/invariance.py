@@ -16,6 +16,10 @@ What it takes, all decided here:
 - Memory epochs. Cells must stay in position order (decider.engine.steps): two graveyard sequences
   keep every decoded cell until no decision state is live.
 
+Not available on models with recurrent layers (Qwen3.5 and other hybrids): llama.cpp cuts their
+decodes into micro-batches of equal tokens per sequence, so a row can land alone whatever the pad
+does; the runtime refuses it there at load (decider.engine.native).
+
 Reserved sequences: HEAD_SEQ (0) always; with invariance the pad (n_seq_max - 1) and the graveyards
 (n_seq_max - 2, n_seq_max - 3).
 """

@@ -40,6 +40,10 @@ class NativeError(RuntimeError):
     """llama.cpp refused an operation (load, context creation, decode)."""
 
 
+class InvarianceUnsupportedError(NativeError):
+    """batch_invariant was asked of a model with recurrent layers (recurrent or hybrid memory)."""
+
+
 class KvCacheFullError(NativeError):
     """`llama_decode` returned 1: no memory slot for the batch (retry with less, or wait)."""
 
@@ -99,13 +103,24 @@ class LlamaRuntime:
         self.path = path
         self.config = config
         self.policy = policy = config.policy
-        policy.select_kernels()
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = config.n_gpu_layers
         model_params.use_extra_bufts = policy.repack_weights
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise NativeError(f"llama.cpp could not load {path}")
+        if policy.invariant and self.recurrent:
+            architecture = self.architecture
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+            # llama.cpp cuts such a batch into micro-batches of equal tokens per sequence (split_equal),
+            # not into n_ubatch runs, so the 2-63-row rule and its pad cannot hold: a row can land alone.
+            raise InvarianceUnsupportedError(
+                f"batch invariance is not available for {path.name} ({architecture}): its recurrent layers "
+                "make llama.cpp split decodes per sequence, so answers can depend on what shares a batch; "
+                "set it to false"
+            )
+        policy.select_kernels()  # before the first matmul (ggml reads the choice once per process)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = config.n_ctx
@@ -188,6 +203,12 @@ class LlamaRuntime:
         if value is None or not re.fullmatch(r"\d+", value):
             return None
         return QUANTIZATION_NAMES.get(int(value))
+
+    @property
+    def recurrent(self) -> bool:
+        """The model keeps a recurrent state per sequence (recurrent or hybrid architectures)."""
+        model = self._model
+        return bool(llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
 
     @property
     def n_swa(self) -> int:

@@ -1,0 +1,1 @@
+"""`make bench-gpu`: the benchmarks on a GPU machine without network (pack here, run there)."""
