@@ -639,6 +639,12 @@ class AppConfig(_Strict):
     def variant(self, name: VariantName) -> VariantConfig:
         return self.cpu if name == "cpu" else self.gpu
 
+    @field_validator("account", mode="before")
+    @classmethod
+    def _account_as_text(cls, value: Any) -> Any:
+        """`-c account=123456789012` arrives JSON-decoded as a number; an account id is text."""
+        return f"{value:012d}" if isinstance(value, int) and not isinstance(value, bool) else value
+
     @model_validator(mode="after")
     def _volume_holds_the_model(self) -> AppConfig:
         need = estimated_volume_need_gb(self.model)

@@ -24,7 +24,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
-from stacks.common import retention_days
+from stacks.common import identity, retention_days
 from stacks.config import ENDPOINT_TAG, VariantConfig, supports_volume_kms
 from stacks.monitoring import VARIANT_NAME, EndpointAlarms
 from stacks.nag import acknowledge
@@ -268,9 +268,33 @@ class DeciderEndpoint(Construct):
                 kms_key_id=self.volume_key.key_arn if self.volume_key else None,
             )
 
+        # What the Endpoint resource carries besides its config name. UpdateEndpoint needs a new
+        # EndpointConfig ("To update an endpoint, you must create a new EndpointConfig", SageMaker API
+        # reference), so the config is named after these too: any change to the Endpoint (deployment
+        # policy, retained variant properties, …) replaces the config under a new generated name.
+        endpoint_settings = {
+            "endpoint_name": variant.endpoint_name,
+            "deployment_config": self._deployment_config(),
+            # An update keeps the live instance count (autoscaled fleets are not reset to
+            # initial_instance_count) and weight. Without autoscaling the configured count applies.
+            # DataCaptureConfig cannot be excluded ("Not currently supported", SageMaker API
+            # reference, VariantProperty).
+            "retain_all_variant_properties": True,
+            "exclude_retained_variant_properties": (
+                None
+                if variant.autoscaling
+                else [
+                    sagemaker.CfnEndpoint.VariantPropertyProperty(
+                        variant_property_type="DesiredInstanceCount"
+                    )
+                ]
+            ),
+        }
+        self.endpoint_settings_id = identity(self, endpoint_settings)
+
         self.endpoint_config = sagemaker.CfnEndpointConfig(
             self,
-            "Config",
+            f"Config{self.endpoint_settings_id}",
             # No EndpointConfigName: every property change replaces the config, which needs a new name.
             production_variants=[self._production_variant()],
             kms_key_id=self.volume_key.key_arn if self.volume_key else None,
@@ -292,23 +316,8 @@ class DeciderEndpoint(Construct):
         self.endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
-            endpoint_name=variant.endpoint_name,
             endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
-            deployment_config=self._deployment_config(),
-            # An update keeps the live instance count (autoscaled fleets are not reset to
-            # initial_instance_count) and weight. Without autoscaling the configured count applies.
-            # DataCaptureConfig cannot be excluded ("Not currently supported", SageMaker API
-            # reference, VariantProperty).
-            retain_all_variant_properties=True,
-            exclude_retained_variant_properties=(
-                None
-                if variant.autoscaling
-                else [
-                    sagemaker.CfnEndpoint.VariantPropertyProperty(
-                        variant_property_type="DesiredInstanceCount"
-                    )
-                ]
-            ),
+            **endpoint_settings,
         )
         self.endpoint.node.add_dependency(self.log_group)
         if variant.autoscaling:

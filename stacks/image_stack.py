@@ -336,6 +336,14 @@ class BuildProvider(Construct):
         on_event.add_to_role_policy(
             iam.PolicyStatement(sid="StartBuilds", actions=["codebuild:StartBuild"], resources=project_arns)
         )
+        # A rolled-back or deleted image request stops the build it started (found by its wait handle).
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="StopAbandonedImageBuilds",
+                actions=["codebuild:ListBuildsForProject", "codebuild:BatchGetBuilds", "codebuild:StopBuild"],
+                resources=[projects.image.project_arn],
+            )
+        )
         # Existing tag lookup, and the keep-<digest> tag on deployed images (BatchGetImage + PutImage).
         on_event.add_to_role_policy(
             iam.PolicyStatement(

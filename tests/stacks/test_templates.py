@@ -14,7 +14,7 @@ from stack_helpers import STACKS, only, resources
 
 from stacks import config as app_config
 from stacks.config import container_environment
-from stacks.deploy_time_build import build_inputs_id
+from stacks.deploy_time_build import image_tag
 
 pytestmark = pytest.mark.cdk
 
@@ -306,11 +306,12 @@ def test_image_build_request_names_tag_buildspec_and_its_wait_condition(synth, s
     assert props["ImageSource"] == "auto"
     assert props["DeployedImageParameter"] == f"/decider/{config.endpoint_name}/image"
     assert yaml.safe_load(props["Buildspec"]) == yaml.safe_load(_projects(synth)[0]["Source"]["BuildSpec"])
+    assert props["ImageTag"] == image_tag(config, source_hash, props["Buildspec"])
     if variant == "cpu":
-        assert props["ImageTag"] == f"cpu-{source_hash}" and props["BuildArgs"] == ""
+        assert props["ImageTag"].startswith("cpu-") and props["BuildArgs"] == ""
     else:  # the CUDA architectures of the allowed GPUs (g6: sm_89) are a build argument and in the tag
         assert props["BuildArgs"] == "CUDA_ARCHITECTURES=89"
-        assert props["ImageTag"].startswith("cuda-") and props["ImageTag"] != f"cuda-{source_hash}"
+        assert props["ImageTag"].startswith("cuda-")
     # the wait condition: its handle goes to the build, it waits queue + build + margin, after the start
     handle_id = _logical_id(template, "AWS::CloudFormation::WaitConditionHandle")
     wait_id = _logical_id(template, "AWS::CloudFormation::WaitCondition")
@@ -338,10 +339,19 @@ def test_a_new_build_input_gets_a_new_handle_and_wait_condition(synth, synth_pre
         )
 
 
-def test_a_new_wait_timeout_alone_gets_a_new_wait_condition() -> None:
-    """`-c gpu.image_build.timeout_minutes=…` without a source change must not update a Timeout."""
-    assert build_inputs_id("t", "build", 60) != build_inputs_id("t", "build", 75)
-    assert build_inputs_id("t", "build", 60) == build_inputs_id("t", "build", 60)
+def test_the_image_tag_hashes_source_build_args_and_buildspec(synth) -> None:
+    """A buildspec edit rebuilds (the recipe is an input of the image); compute type and timeouts do
+    not (they only change how the build runs: test_update_rules walks them)."""
+    config, source = synth.decider.config.cpu, synth.decider.image.source_hash
+    buildspec = synth.decider.image.image_buildspec
+    tag = image_tag(config, source, buildspec)
+    assert tag == only(synth.templates["CpuStack"], "Custom::ImageBuild")["Properties"]["ImageTag"]
+    assert image_tag(config, source, buildspec + "\n# edited") != tag
+    assert image_tag(config, "0" * 64, buildspec) != tag
+    faster = config.model_copy(
+        update={"image_build": config.image_build.model_copy(update={"timeout_minutes": 90})}
+    )
+    assert image_tag(faster, source, buildspec) == tag
 
 
 @pytest.mark.parametrize("stack", ["CpuStack", "GpuStack"])
