@@ -203,6 +203,7 @@ class PostDeployCheck(Construct):
         image_stack: ImageStack,
         endpoint_name: str,
         endpoint_config_name: str,
+        rollback_alarms: list[str],
     ):
         super().__init__(scope, construct_id)
         self.resource = CustomResource(
@@ -215,6 +216,8 @@ class PostDeployCheck(Construct):
                 "Kind": "PostDeployCheck",
                 "EndpointName": endpoint_name,
                 "EndpointConfigName": endpoint_config_name,
+                # A failing check waits for these to leave ALARM before the stack rolls back.
+                "RollbackAlarms": rollback_alarms,
             },
         )
         self.result = self.resource.get_att_string("Result")

@@ -86,6 +86,7 @@ class EndpointStack(Stack):
             image_stack=image_stack,
             endpoint_name=self.endpoint.endpoint.attr_endpoint_name,
             endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
+            rollback_alarms=[alarm.alarm_name for alarm in self.endpoint.alarms.rollback_alarms],
         )
         # Written only after the check passed (a rollback restores the previous value); the next
         # deploy reads it to keep an image pinned with `-c image_uri` (stacks/handlers/codebuild_job.py).

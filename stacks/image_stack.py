@@ -12,7 +12,7 @@ do not stop a delete, so ImageStack has termination protection: delete GpuStack 
 from __future__ import annotations
 
 import yaml
-from aws_cdk import Aws, CfnOutput, Duration, RemovalPolicy, Stack
+from aws_cdk import ArnFormat, Aws, CfnOutput, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_events as events
@@ -410,6 +410,7 @@ class BuildProvider(Construct):
                 ],
             )
         )
+        self._allow_parking(is_complete, endpoint_stacks)
         for function in (on_event, is_complete):
             grant_models_access(function, artifacts, write=False)
         provider_logs = logs.LogGroup(
@@ -471,6 +472,83 @@ class BuildProvider(Construct):
                     "provider framework for its own functions.",
                 )
         self.service_token = self.provider.service_token
+
+    @staticmethod
+    def _allow_parking(function: lambda_.Function, endpoint_stacks: dict[str, VariantConfig]) -> None:
+        """A failing post-deploy check parks its endpoint on a copy of the previous config so that the
+        stack's rollback can finish (stacks/handlers/post_deploy_check.py): it reads that config,
+        creates `<endpoint>-parked-*`, updates the endpoint onto it and reads the rollback alarms."""
+        stack = Stack.of(function)
+
+        def arn(resource: str, name: str) -> str:
+            return stack.format_arn(service="sagemaker", resource=resource, resource_name=name)
+
+        endpoints = [variant.endpoint_name.lower() for variant in endpoint_stacks.values()]
+        parked = [arn("endpoint-config", f"{name}-parked-*") for name in endpoints]
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ReadPreviousConfigs",
+                actions=["sagemaker:DescribeEndpointConfig"],
+                resources=[arn("endpoint-config", "*")],
+            )
+        )
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="CreateParkedConfigs",
+                actions=["sagemaker:CreateEndpointConfig", "sagemaker:AddTags", "sagemaker:ListTags"],
+                resources=parked,
+            )
+        )
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ParkEndpoints",
+                actions=["sagemaker:UpdateEndpoint"],
+                resources=[arn("endpoint", name) for name in endpoints] + parked,
+            )
+        )
+        alarms = [
+            stack.format_arn(
+                service="cloudwatch",
+                resource="alarm",
+                resource_name=f"{name}-*",
+                arn_format=ArnFormat.COLON_RESOURCE_NAME,
+            )
+            for name in endpoint_stacks
+        ]
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ReadRollbackAlarms", actions=["cloudwatch:DescribeAlarms"], resources=alarms
+            )
+        )
+        # The caller of UpdateEndpoint must be allowed to use the config's volume key ("The KMS key
+        # policy must grant permission to the IAM role that you specify in your CreateEndpoint,
+        # UpdateEndpoint requests", CreateEndpointConfig KmsKeyId): through SageMaker only.
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="UseVolumeKeysThroughSageMaker",
+                actions=["kms:CreateGrant", "kms:DescribeKey"],
+                resources=["*"],
+                conditions={"StringEquals": {"kms:ViaService": f"sagemaker.{Aws.REGION}.amazonaws.com"}},
+            )
+        )
+        reason = (
+            "Parking an endpoint for a rollback: endpoint configs have generated names (read any, create "
+            "only <endpoint>-parked-*), alarm names end in a generated id, and the volume keys live in "
+            "the endpoint stacks (used only through SageMaker)."
+        )
+        for resource in [
+            "arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/*",
+            *[
+                f"arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/{n}-parked-*"
+                for n in endpoints
+            ],
+            *[
+                f"arn:<AWS::Partition>:cloudwatch:<AWS::Region>:<AWS::AccountId>:alarm:{n}-*"
+                for n in endpoint_stacks
+            ],
+            "*",
+        ]:
+            acknowledge(function, f"AwsSolutions-IAM5[Resource::{resource}]", reason)
 
 
 def inline_buildspec(name: str) -> codebuild.BuildSpec:

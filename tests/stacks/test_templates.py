@@ -202,7 +202,7 @@ def _actions(statements) -> set[str]:
 def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
     template = synth.templates["ImageStack"]
     assert "ecr:DescribeImages" in _actions(_policy(template, "/Builds/ImageBuild/Role/"))
-    aws_calls = ("codebuild:", "ecr:", "ssm:", "cloudformation:", "sagemaker:")
+    aws_calls = ("codebuild:", "ecr:", "ssm:", "cloudformation:", "sagemaker:", "cloudwatch:", "kms:")
     on_event = _policy(template, "/BuildRunner/OnEvent/")
     is_complete = _policy(template, "/BuildRunner/IsComplete/")
     assert {a for a in _actions(on_event) if a.startswith(aws_calls)} == {
@@ -212,7 +212,16 @@ def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
         "ecr:PutImage",  # … and put it again under the new tag
         "ssm:GetParameter",  # the deployed-image record
         "cloudformation:DescribeStacks",  # the post-deploy check skips rollbacks
+        # a rolled-back or deleted image request stops the build it started (by its wait handle)
+        "codebuild:ListBuildsForProject",
+        "codebuild:BatchGetBuilds",
+        "codebuild:StopBuild",
     }
+    abandoned = next(s for s in on_event if s.get("Sid") == "StopAbandonedImageBuilds")
+    (image_project,) = [
+        k for k in resources(template, "AWS::CodeBuild::Project") if k.startswith("BuildsImageBuild")
+    ]
+    assert abandoned["Resource"] == {"Fn::GetAtt": [image_project, "Arn"]}
     assert {a for a in _actions(is_complete) if a.startswith(aws_calls)} == {
         "codebuild:BatchGetBuilds",
         "codebuild:StopBuild",
@@ -220,6 +229,27 @@ def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
         "codebuild:ListBuildsForProject",
         "sagemaker:DescribeEndpoint",
         "sagemaker:InvokeEndpoint",
+        # a failing post-deploy check parks the endpoint on a copy of the previous config
+        "sagemaker:DescribeEndpointConfig",
+        "sagemaker:CreateEndpointConfig",
+        "sagemaker:AddTags",
+        "sagemaker:ListTags",
+        "sagemaker:UpdateEndpoint",
+        "cloudwatch:DescribeAlarms",
+        "kms:CreateGrant",  # the previous config's volume key, through SageMaker only
+        "kms:DescribeKey",
+    }
+    parking = {s["Sid"]: s for s in is_complete if "Sid" in s}
+    for sid in ("CreateParkedConfigs", "ParkEndpoints"):
+        text = json.dumps(parking[sid]["Resource"])
+        assert (
+            "endpoint-config/decider-cpu-parked-*" in text and "endpoint-config/decider-gpu-parked-*" in text
+        )
+        assert "endpoint-config/*" not in text
+    assert parking["UseVolumeKeysThroughSageMaker"]["Condition"] == {
+        "StringEquals": {
+            "kms:ViaService": {"Fn::Join": ["", ["sagemaker.", {"Ref": "AWS::Region"}, ".amazonaws.com"]]}
+        }
     }
     records = json.dumps(next(s for s in on_event if s.get("Sid") == "ReadDeployedImageRecords")["Resource"])
     assert (
