@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 
 from stacks.config import AppConfig, ConfigError, VariantConfig, load_config
 from stacks.synth import cdk_json_context
-from tools.infra_diff.diff import diff_templates, references
+from tools.infra_diff.diff import diff_templates, update_refusals
 
 ECR_IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "b" * 64
 # Values for keys whose type alone does not suggest a valid other value (variant-specific where needed).
@@ -152,55 +152,13 @@ def changed_context(key: str, baseline: AppConfig) -> dict[str, str] | None:
     return None
 
 
-def _only(template: dict[str, Any], cfn_type: str) -> tuple[str, dict[str, Any]] | None:
-    found = [(k, v) for k, v in template.get("Resources", {}).items() if v["Type"] == cfn_type]
-    assert len(found) <= 1, f"more than one {cfn_type}"
-    return found[0] if found else None
-
-
 def update_violations(
     stack: str, before: dict[str, Any], after: dict[str, Any], *, same_environment: bool = True
 ) -> list[str]:
-    """What CloudFormation would do wrong updating `stack` from `before` to `after`:
-    1. the Endpoint changes but keeps its EndpointConfigName (UpdateEndpoint needs a new config);
-    2. Custom::ImageBuild changes beside the same, already signalled WaitConditionHandle;
-    3. a custom resource's ServiceToken changes (CloudFormation does not support that update); not
-       checked across environments (`account`/`region` pin another environment: a new deploy there)."""
-    problems: list[str] = []
+    """What CloudFormation would do wrong updating `stack` from `before` to `after` (infra-diff's
+    update refusals: an Endpoint changed under the same config, a resource changed beside the same
+    wait handle, a changed ServiceToken)."""
     report = diff_templates({stack: before}, {stack: after})
     replaced = {r.logical_id for r in report.resources if r.action == "replace"}
-    old_endpoint, new_endpoint = (
-        _only(before, "AWS::SageMaker::Endpoint"),
-        _only(after, "AWS::SageMaker::Endpoint"),
-    )
-    if old_endpoint and new_endpoint and old_endpoint[1]["Properties"] != new_endpoint[1]["Properties"]:
-        (old_config,) = {t for t, _ in references(old_endpoint[1]["Properties"]["EndpointConfigName"])}
-        (new_config,) = {t for t, _ in references(new_endpoint[1]["Properties"]["EndpointConfigName"])}
-        if old_config == new_config and new_config not in replaced:
-            changed = sorted(
-                k
-                for k in set(old_endpoint[1]["Properties"]) | set(new_endpoint[1]["Properties"])
-                if old_endpoint[1]["Properties"].get(k) != new_endpoint[1]["Properties"].get(k)
-            )
-            problems.append(
-                f"Endpoint changes ({', '.join(changed)}) under the same endpoint config {new_config}"
-            )
-    old_build, new_build = _only(before, "Custom::ImageBuild"), _only(after, "Custom::ImageBuild")
-    if (
-        old_build
-        and new_build
-        and old_build[1]["Properties"] != new_build[1]["Properties"]
-        and old_build[1]["Properties"]["WaitHandle"] == new_build[1]["Properties"]["WaitHandle"]
-    ):
-        changed = sorted(
-            k
-            for k in set(old_build[1]["Properties"]) | set(new_build[1]["Properties"])
-            if old_build[1]["Properties"].get(k) != new_build[1]["Properties"].get(k)
-        )
-        problems.append(f"Custom::ImageBuild changes ({', '.join(changed)}) beside the same wait handle")
-    for logical_id, resource in after.get("Resources", {}).items() if same_environment else ():
-        old = before.get("Resources", {}).get(logical_id)
-        token = resource.get("Properties", {}).get("ServiceToken")
-        if old is not None and token is not None and old["Properties"].get("ServiceToken") != token:
-            problems.append(f"{logical_id}: ServiceToken changes (CloudFormation does not support it)")
-    return problems
+    refusals = update_refusals(stack, before, after, replaced, same_environment=same_environment)
+    return [f"{r.code}: {r.message}" for r in refusals]
