@@ -270,7 +270,8 @@ class BuildProjects(Construct):
         acknowledge(
             self.image,
             "AwsSolutions-IAM5[Resource::*]",
-            "ecr:GetAuthorizationToken (docker login) has no resource-level permissions.",
+            "ecr:GetAuthorizationToken (docker login) has no resource-level permissions; kms:Decrypt of the "
+            "bootstrap bucket's key (unknown at synth) is limited to S3 and to that bucket's objects.",
         )
 
 
@@ -575,6 +576,21 @@ def grant_source_read(project: codebuild.Project, source: s3_assets.Asset) -> No
     )
     project.add_to_role_policy(
         iam.PolicyStatement(actions=["s3:GetBucketAcl", "s3:GetBucketLocation"], resources=[bucket_arn])
+    )
+    # A bootstrap bucket encrypted with a customer-managed key (`cdk bootstrap --bootstrap-kms-key-id`,
+    # `--bootstrap-customer-key`) needs kms:Decrypt to read the source. The key is not known at synth:
+    # allowed through S3 only, for objects of exactly this bucket (S3's encryption context is the
+    # bucket's or the object's ARN); without such a key the statement grants nothing.
+    project.add_to_role_policy(
+        iam.PolicyStatement(
+            sid="DecryptSourceWithBootstrapKey",
+            actions=["kms:Decrypt"],
+            resources=["*"],
+            conditions={
+                "StringEquals": {"kms:ViaService": f"s3.{Aws.REGION}.amazonaws.com"},
+                "StringLike": {"kms:EncryptionContext:aws:s3:arn": [bucket_arn, f"{bucket_arn}/*"]},
+            },
+        )
     )
 
 

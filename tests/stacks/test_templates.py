@@ -202,6 +202,16 @@ def _actions(statements) -> set[str]:
 def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
     template = synth.templates["ImageStack"]
     assert "ecr:DescribeImages" in _actions(_policy(template, "/Builds/ImageBuild/Role/"))
+    # a bootstrap bucket with a customer-managed key: decrypt through S3, for that bucket only
+    decrypt = next(
+        s
+        for s in _policy(template, "/Builds/ImageBuild/Role/")
+        if s.get("Sid") == "DecryptSourceWithBootstrapKey"
+    )
+    assert decrypt["Action"] == "kms:Decrypt" and decrypt["Resource"] == "*"
+    assert set(decrypt["Condition"]) == {"StringEquals", "StringLike"}
+    context = json.dumps(decrypt["Condition"]["StringLike"]["kms:EncryptionContext:aws:s3:arn"])
+    assert "cdk-hnb659fds-assets-" in context and "/*" in context
     aws_calls = ("codebuild:", "ecr:", "ssm:", "cloudformation:", "sagemaker:", "cloudwatch:", "kms:")
     on_event = _policy(template, "/BuildRunner/OnEvent/")
     is_complete = _policy(template, "/BuildRunner/IsComplete/")

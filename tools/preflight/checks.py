@@ -8,7 +8,10 @@
   deploy-time builds use (0 on some new accounts: StartBuild then fails with AccountLimitExceededException).
 - CDK bootstrap: the CDKToolkit stack and its version parameter (the templates require version 6).
 - Leftovers of an earlier install that block a fresh ImageStack or endpoint: the fixed-name artifacts
-  bucket, and endpoints of the same name outside the stacks.
+  bucket, endpoints of the same name outside the stacks, and the endpoint's log group (a fixed name: a
+  group left by a manual test, `promote apply` or a deleted stack makes the stack's creation fail with
+  "already exists").
+- A compute type CodeBuild does not offer in the region (no concurrent-builds quota for it) blocks.
 
 Nothing here changes anything; every finding says how to fix it.
 """
@@ -173,7 +176,17 @@ def codebuild_quotas(service_quotas: Any, target: Target) -> list[Finding]:
         match = next(((n, q) for n, q in quotas.items() if pattern.fullmatch(n)), None)
         label = f"CodeBuild Linux/{size} concurrent builds"
         if match is None:
-            findings.append(Finding(label, "unknown", f"no such quota listed ({', '.join(users)})"))
+            # Service Quotas lists a quota per compute type CodeBuild offers in the region: none means
+            # StartBuild cannot run this size here (2XLARGE is not offered everywhere).
+            findings.append(
+                Finding(
+                    label,
+                    "missing",
+                    f"CodeBuild offers no {compute} in {target.region} (no 'Concurrently running builds for "
+                    f"Linux/{size} environment' quota; {', '.join(users)})",
+                    _compute_fix(compute, users, target),
+                )
+            )
             continue
         _, (code, value) = match
         # one build at a time is enough (staging and image run in turn); two when both stacks deploy at once
@@ -192,6 +205,16 @@ def codebuild_quotas(service_quotas: Any, target: Target) -> list[Finding]:
                 )
             )
     return findings
+
+
+def _compute_fix(compute: str, users: list[str], target: Target) -> str:
+    variants = sorted({u.split()[0] for u in users if u.endswith(" image")})
+    smaller = "BUILD_GENERAL1_XLARGE" if compute == "BUILD_GENERAL1_2XLARGE" else "BUILD_GENERAL1_LARGE"
+    options = " ".join(f"-c {v}.image_build.compute_type={smaller}" for v in variants)
+    prebuilt = " ".join(f"-c {v}.image_uri=<repo>@sha256:<digest>" for v in variants)
+    if not variants:
+        return f"deploy in a region where CodeBuild offers {compute}"
+    return f"use a size offered in {target.region} ({options}), or build in CI and deploy {prebuilt}"
 
 
 def bootstrap(ssm: Any, cloudformation: Any, target: Target) -> list[Finding]:
@@ -261,6 +284,40 @@ def leftovers(s3: Any, sagemaker: Any, cloudformation: Any, target: Target) -> l
     return findings
 
 
+def endpoint_log_group(variant: VariantConfig) -> str:
+    """The endpoint's log group, as SageMaker names it and the stack owns it (stacks/endpoint.py)."""
+    return f"/aws/sagemaker/Endpoints/{variant.endpoint_name}"
+
+
+def log_groups(logs: Any, cloudformation: Any, target: Target) -> list[Finding]:
+    """The endpoint log groups: free, or owned by their stack. A leftover one blocks the stack's creation."""
+    findings = []
+    for variant in target.variants:
+        name, stack = endpoint_log_group(variant), "GpuStack" if variant.is_gpu else "CpuStack"
+        label = f"log group {name}"
+        try:
+            groups = logs.describe_log_groups(logGroupNamePrefix=name).get("logGroups", [])
+            if not any(g.get("logGroupName") == name for g in groups):
+                findings.append(Finding(label, "ok", "free"))
+            elif _stack_exists(cloudformation, stack):
+                findings.append(Finding(label, "ok", f"{stack} exists (it owns the group)"))
+            else:
+                findings.append(
+                    Finding(
+                        label,
+                        "missing",
+                        f"exists without {stack} (left by a manual test, `promote apply` or a deleted "
+                        f"stack): creating {stack} would fail with 'already exists'",
+                        "export what you need (aws logs create-export-task …), then aws logs "
+                        f"delete-log-group --log-group-name {name} --region {target.region}; or deploy with "
+                        f"-c {variant.name}.endpoint_name=<another name>",
+                    )
+                )
+        except (ClientError, BotoCoreError) as error:
+            findings.append(Finding(label, "unknown", f"could not check: {_code(error)}"))
+    return findings
+
+
 def _endpoint_name(sagemaker: Any, variant: VariantConfig) -> Finding:
     label = f"endpoint name {variant.endpoint_name}"
     try:
@@ -290,4 +347,5 @@ def run_all(clients: dict[str, Any], target: Target) -> list[Finding]:
         *sagemaker_quotas(clients["service-quotas"], clients["sagemaker"], target),
         *codebuild_quotas(clients["service-quotas"], target),
         *leftovers(clients["s3"], clients["sagemaker"], clients["cloudformation"], target),
+        *log_groups(clients["logs"], clients["cloudformation"], target),
     ]
