@@ -77,6 +77,11 @@ IMAGE_WAIT_MARGIN_MINUTES = 15  # signal delivery, push, provisioning on top of 
 BUILD_START_RETRY_MINUTES = 10
 # A build still running this long after its own timeout is stopped by the handler.
 BUILD_DEADLINE_GRACE_MINUTES = 5
+# Autoscaling on concurrency: a server taking requests one after the other, with random arrivals, holds
+# on average rho / (1 - rho) requests at utilisation rho (M/M/1); at the 70 % the invocation targets use,
+# 2.3 (tools/capacity/planner.py prints the derivation).
+TARGET_UTILISATION = 0.7
+DEFAULT_CONCURRENCY_TARGET = round(TARGET_UTILISATION / (1 - TARGET_UTILISATION), 1)
 DEFAULT_EBS_VOLUME_GB = 30  # ML storage volume on EBS-backed types: the 3 GB GGUF twice, plus room
 
 # CloudWatch Logs' allowed retention periods, in the order of aws_logs.RetentionDays.
@@ -360,8 +365,23 @@ class VariantConfig(_Strict):
         True,
         description="Register the variant with Application Auto Scaling (turn off to change instance type).",
     )
+    scaling_metric: Literal["concurrency", "invocations"] = Field(
+        "concurrency",
+        description="Target tracking on SageMakerVariantConcurrentRequestsPerModelHighResolution (10 s, "
+        "counts queued and streaming requests) or on SageMakerVariantInvocationsPerInstance (per minute).",
+    )
+    target_concurrency_per_instance: float = Field(
+        DEFAULT_CONCURRENCY_TARGET,
+        gt=0,
+        le=1000,
+        description="scaling_metric=concurrency: requests in the container per instance, on average "
+        "(capacity-plan: what one back-to-back server holds at 70 % utilisation).",
+    )
     target_invocations_per_instance: int = Field(
-        60, ge=1, description="Target tracking on SageMakerVariantInvocationsPerInstance (per minute)."
+        60,
+        ge=1,
+        description="scaling_metric=invocations: target tracking on SageMakerVariantInvocationsPerInstance "
+        "(per minute).",
     )
     scale_in_cooldown_s: int = Field(600, ge=0, le=3600, description="Wait after a scale-in.")
     scale_out_cooldown_s: int = Field(120, ge=0, le=3600, description="Wait after a scale-out.")

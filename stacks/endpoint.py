@@ -389,7 +389,11 @@ class DeciderEndpoint(Construct):
         )
 
     def _autoscaling(self) -> None:
-        """Target tracking on invocations per instance (L1: the L2 target would create an unused role)."""
+        """Target tracking (L1: the L2 target would create an unused role). By default on the
+        high-resolution concurrency metric: "the number of concurrent requests being received by a model
+        container", queued and streaming ones included, every 10 s, so a fleet serving long requests
+        scales out within a minute rather than after several minutes of invocation counts (SageMaker,
+        "Define a scaling policy")."""
         variant = self.variant
         self.scalable_target = appscaling.CfnScalableTarget(
             self,
@@ -402,16 +406,22 @@ class DeciderEndpoint(Construct):
         )
         # Registering a target needs the endpoint; deregistering must happen before it is deleted.
         self.scalable_target.add_resource_dependency(self.endpoint)
+        if variant.scaling_metric == "concurrency":
+            metric = "SageMakerVariantConcurrentRequestsPerModelHighResolution"
+            target, suffix = variant.target_concurrency_per_instance, "concurrency-per-instance"
+        else:
+            metric = "SageMakerVariantInvocationsPerInstance"
+            target, suffix = float(variant.target_invocations_per_instance), "invocations-per-instance"
         self.scaling_policy = appscaling.CfnScalingPolicy(
             self,
-            "InvocationsPerInstance",
-            policy_name=f"{variant.endpoint_name}-invocations-per-instance",
+            "TargetTracking",
+            policy_name=f"{variant.endpoint_name}-{suffix}",
             policy_type="TargetTrackingScaling",
             scaling_target_id=self.scalable_target.ref,
             target_tracking_scaling_policy_configuration=appscaling.CfnScalingPolicy.TargetTrackingScalingPolicyConfigurationProperty(
-                target_value=float(variant.target_invocations_per_instance),
+                target_value=target,
                 predefined_metric_specification=appscaling.CfnScalingPolicy.PredefinedMetricSpecificationProperty(
-                    predefined_metric_type="SageMakerVariantInvocationsPerInstance"
+                    predefined_metric_type=metric
                 ),
                 scale_in_cooldown=variant.scale_in_cooldown_s,
                 scale_out_cooldown=variant.scale_out_cooldown_s,

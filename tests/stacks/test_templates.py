@@ -52,7 +52,7 @@ EXPECTED_RESOURCES = {
         "AWS::SageMaker::Endpoint": 1,
         "AWS::ApplicationAutoScaling::ScalableTarget": 1,
         "AWS::ApplicationAutoScaling::ScalingPolicy": 1,
-        "AWS::CloudWatch::Alarm": 7,
+        "AWS::CloudWatch::Alarm": 8,
         "AWS::CloudWatch::Dashboard": 1,
     },
 }
@@ -511,7 +511,7 @@ def test_endpoint_rolls_out_blue_green_canary_with_alarm_rollback_and_keeps_its_
         a["AlarmName"]["Ref"] for a in props["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]
     ]
     names = sorted(alarms[alarm_id]["Metadata"]["aws:cdk:path"].split("/")[-2] for alarm_id in rollback)
-    assert names == ["ErrorRate5xx", "ModelLatencyP90"]
+    assert names == ["ErrorRate5xx", "ModelFailureRate", "ModelLatencyP90"]
 
 
 def _alarms_by_name(template):
@@ -555,6 +555,7 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
         "ModelLatencyP90",
         "ErrorRate4xx",
         "ModelErrorRate",
+        "ModelFailureRate",
         "ModelSetupTime",
         "MemoryHigh",
         "DiskHigh",
@@ -573,6 +574,12 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
     assert alarms["ModelSetupTime"]["Threshold"] == 900 * 1_000_000
     assert "Invocation4XXErrors" in json.dumps(alarms["ErrorRate4xx"]["Metrics"])
     assert "InvocationModelErrors" in json.dumps(alarms["ModelErrorRate"]["Metrics"])
+    # the rollback alarm on model failures leaves callers' 4xx out (bad input must not roll back)
+    failure = next(m for m in alarms["ModelFailureRate"]["Metrics"] if "Expression" in m)["Expression"]
+    assert failure == (
+        "IF(failure_invocations >= 10 AND failure_errors > failure_client, "
+        "100 * (failure_errors - failure_client) / failure_invocations, 0)"
+    )
     topic = template["Resources"][topic_id]["Properties"]
     assert "KmsMasterKeyId" in topic
     policy = only(template, "AWS::SNS::TopicPolicy")["Properties"]["PolicyDocument"]["Statement"]
@@ -594,7 +601,7 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
 @pytest.mark.parametrize(
     ("stack", "name", "low", "high"), [("CpuStack", "decider-cpu", 2, 4), ("GpuStack", "decider-gpu", 2, 3)]
 )
-def test_autoscaling_tracks_invocations_within_configured_bounds(synth, stack, name, low, high):
+def test_autoscaling_tracks_concurrency_within_configured_bounds(synth, stack, name, low, high):
     template = synth.templates[stack]
     endpoint_id = _logical_id(template, "AWS::SageMaker::Endpoint")
     target_id, target = next(iter(resources(template, "AWS::ApplicationAutoScaling::ScalableTarget").items()))
@@ -608,10 +615,28 @@ def test_autoscaling_tracks_invocations_within_configured_bounds(synth, stack, n
     assert policy["ScalingTargetId"] == {"Ref": target_id}
     tracking = policy["TargetTrackingScalingPolicyConfiguration"]
     assert tracking["PredefinedMetricSpecification"] == {
-        "PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"
+        "PredefinedMetricType": "SageMakerVariantConcurrentRequestsPerModelHighResolution"
     }
     variant = synth.decider.config.variant(stack[:3].lower())
-    assert tracking["TargetValue"] == variant.target_invocations_per_instance
+    assert (
+        tracking["TargetValue"]
+        == variant.target_concurrency_per_instance
+        == app_config.DEFAULT_CONCURRENCY_TARGET
+    )
+    assert policy["PolicyName"] == f"{name}-concurrency-per-instance"
+
+
+def test_autoscaling_on_invocations_when_chosen(tmp_path):
+    from stack_helpers import run_synth
+
+    other = run_synth(tmp_path, {"cpu.scaling_metric": "invocations"}).templates["CpuStack"]
+    policy = only(other, "AWS::ApplicationAutoScaling::ScalingPolicy")["Properties"]
+    tracking = policy["TargetTrackingScalingPolicyConfiguration"]
+    assert (
+        tracking["PredefinedMetricSpecification"]["PredefinedMetricType"]
+        == "SageMakerVariantInvocationsPerInstance"
+    )
+    assert tracking["TargetValue"] == 10  # cdk.json's target_invocations_per_instance
 
 
 @pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
@@ -637,12 +662,13 @@ def test_execution_role_is_least_privilege(synth, stack, name):
     assert statements["ListModel"]["Condition"]["StringLike"]["s3:prefix"][0].startswith("models/bartowski/")
     assert f"/aws/sagemaker/Endpoints/{name}" in json.dumps(statements["WriteLogs"]["Resource"])
     assert statements["WriteMetrics"]["Condition"]["StringLike"]["cloudwatch:namespace"]
-    # SageMaker reads the auto-rollback alarms with this role: exactly those two, by ARN
+    # SageMaker reads the auto-rollback alarms with this role: exactly those three, by ARN
     alarms = _alarms_by_name(template)
     alarm_ids = {
         k
         for k, v in resources(template, "AWS::CloudWatch::Alarm").items()
-        if v["Metadata"]["aws:cdk:path"].split("/")[-2] in {"ErrorRate5xx", "ModelLatencyP90"}
+        if v["Metadata"]["aws:cdk:path"].split("/")[-2]
+        in {"ErrorRate5xx", "ModelLatencyP90", "ModelFailureRate"}
     }
     assert alarms
     assert statements["ReadRollbackAlarms"]["Action"] == "cloudwatch:DescribeAlarms"
