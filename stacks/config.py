@@ -263,6 +263,12 @@ class AlarmConfig(_Strict):
 class DataCaptureConfig(_Strict):
     enabled: bool = Field(False, description="Capture requests and responses to the artifacts bucket.")
     sampling_percentage: int = Field(10, ge=1, le=100, description="Share of requests captured.")
+    retention_days: int = Field(
+        30,
+        ge=1,
+        le=3650,
+        description="Captured requests and responses (they may hold prompts) expire after this many days.",
+    )
 
 
 class RoutingConfig(_Strict):
@@ -409,6 +415,10 @@ class VariantConfig(_Strict):
     network_isolation: bool = Field(True, description="No outbound network from the container.")
     log_retention_days: int = Field(
         30, description="Log retention of the endpoint (ImageStack's build logs use cpu's value)."
+    )
+    log_kms: bool = Field(
+        True,
+        description="Encrypt the endpoint's log group (which may hold prompts) with a customer-managed key.",
     )
     image_uri: str | None = Field(
         None, description="Prebuilt image <repo>@sha256:<digest>: skips the build. Global key: image_uri."
@@ -639,6 +649,20 @@ def deployed_image_parameter(project: str, variant: VariantConfig) -> str:
     """The SSM parameter recording the image of a variant's last successful deploy, and its source
     (`pinned` by `-c image_uri`, or `build`). Written by the endpoint stack, read by the next deploy."""
     return f"/{project}/{variant.endpoint_name}/image"
+
+
+def cost_tags(config: AppConfig, variant: VariantConfig | None = None) -> dict[str, str]:
+    """The cost-allocation tags of a stack's resources: `project`, and an endpoint stack's `variant`
+    and `endpoint`."""
+    tags = {"project": config.project}
+    if variant is not None:
+        tags |= {"variant": variant.name, "endpoint": variant.endpoint_name}
+    return tags
+
+
+def data_capture_prefix(variant: VariantConfig) -> str:
+    """Where a variant's captured requests and responses go in the artifacts bucket (expired there)."""
+    return f"data-capture/{variant.endpoint_name}/"
 
 
 def estimated_volume_need_gb(model: ModelArtifact) -> int:

@@ -25,7 +25,7 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.common import identity, retention_days
-from stacks.config import ENDPOINT_TAG, VariantConfig, supports_volume_kms
+from stacks.config import ENDPOINT_TAG, VariantConfig, data_capture_prefix, supports_volume_kms
 from stacks.monitoring import VARIANT_NAME, EndpointAlarms
 from stacks.nag import acknowledge
 
@@ -170,18 +170,57 @@ class DeciderEndpoint(Construct):
         model: ModelLocation,
         environment: dict[str, str],
         data_capture_bucket: str,
+        stack_tags: dict[str, str] | None = None,
     ) -> None:
+        """`stack_tags`: the tags the stack applies to every resource (the Endpoint's among them)."""
         super().__init__(scope, construct_id)
         self.variant = variant
         self.execution = ExecutionRole(self, "Execution", variant=variant, image=image, model=model)
         role = self.execution.role
 
-        # SageMaker creates this log group on first start; owning it here sets its retention.
+        # SageMaker creates this log group on first start; owning it here sets its retention and key.
+        log_group_name = f"/aws/sagemaker/Endpoints/{variant.endpoint_name}"
+        self.log_key: kms.Key | None = None
+        if variant.log_kms:
+            # The container's logs may hold prompts. CloudWatch Logs encrypts with the key itself (its
+            # regional service principal, limited to this log group by the encryption context); the
+            # writers need no KMS permission (CloudWatch Logs User Guide, "Encrypt log data in
+            # CloudWatch Logs using AWS KMS").
+            self.log_key = kms.Key(
+                self,
+                "LogsKey",
+                description=f"Encrypts the log group of the {variant.endpoint_name} endpoint",
+                enable_key_rotation=True,
+                removal_policy=RemovalPolicy.DESTROY,
+                pending_window=Duration.days(7),
+            )
+            log_group_arn = Stack.of(self).format_arn(
+                service="logs",
+                resource="log-group",
+                resource_name=log_group_name,
+                arn_format=ArnFormat.COLON_RESOURCE_NAME,
+            )
+            self.log_key.add_to_resource_policy(
+                iam.PolicyStatement(
+                    sid="CloudWatchLogsEncrypt",
+                    principals=[iam.ServicePrincipal(f"logs.{Aws.REGION}.amazonaws.com")],
+                    actions=[
+                        "kms:Encrypt*",
+                        "kms:Decrypt*",
+                        "kms:ReEncrypt*",
+                        "kms:GenerateDataKey*",
+                        "kms:Describe*",
+                    ],
+                    resources=["*"],  # in a key policy, "*" is this key
+                    conditions={"ArnEquals": {"kms:EncryptionContext:aws:logs:arn": log_group_arn}},
+                )
+            )
         self.log_group = logs.LogGroup(
             self,
             "Logs",
-            log_group_name=f"/aws/sagemaker/Endpoints/{variant.endpoint_name}",
+            log_group_name=log_group_name,
             retention=retention_days(variant.log_retention_days),
+            encryption_key=self.log_key,
             removal_policy=RemovalPolicy.DESTROY,
         )
 
@@ -236,7 +275,7 @@ class DeciderEndpoint(Construct):
 
         data_capture = None
         if variant.data_capture.enabled:
-            prefix = f"data-capture/{variant.endpoint_name}/"
+            prefix = data_capture_prefix(variant)
             role.add_to_policy(
                 iam.PolicyStatement(
                     sid="WriteDataCapture",
@@ -290,7 +329,8 @@ class DeciderEndpoint(Construct):
                 ]
             ),
         }
-        self.endpoint_settings_id = identity(self, endpoint_settings)
+        # The stack's tags reach the Endpoint too (Tags.of(stack)), after this constructor.
+        self.endpoint_settings_id = identity(self, {**endpoint_settings, "tags": stack_tags or {}})
 
         self.endpoint_config = sagemaker.CfnEndpointConfig(
             self,

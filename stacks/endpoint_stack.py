@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from aws_cdk import Aws, CfnOutput, Fn, Stack
+from aws_cdk import Aws, CfnOutput, Fn, Stack, Tags
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
@@ -17,12 +17,13 @@ from stacks.config import (
     AppConfig,
     VariantConfig,
     container_environment,
+    cost_tags,
     deployed_image_parameter,
 )
 from stacks.deploy_time_build import DeployedImage, ImageBuild, ModelStaging, PostDeployCheck
 from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
 from stacks.image_stack import ImageStack
-from stacks.monitoring import EndpointDashboard
+from stacks.monitoring import EndpointDashboard, unsubscribed
 
 # A small decision request, used in the printed invoke command.
 SAMPLE_DECISION = {
@@ -63,6 +64,9 @@ class EndpointStack(Stack):
     ) -> None:
         super().__init__(scope, construct_id, **kwargs)
         self.variant = variant
+        # Cost allocation (activate the keys in Billing to report by them).
+        for key, value in cost_tags(config, variant).items():
+            Tags.of(self).add(key, value)
         self.add_stack_dependency(image_stack, "builds the image and stages the model")
 
         self.staging: ModelStaging | None = None
@@ -76,6 +80,7 @@ class EndpointStack(Stack):
             model=model,
             environment=container_environment(variant, config.model),
             data_capture_bucket=image_stack.artifacts_bucket_name,
+            stack_tags=cost_tags(config, variant),
         )
         if image.guard is not None:  # the image is checked and protected before the model uses it
             self.endpoint.model.node.add_dependency(image.guard)
@@ -159,6 +164,18 @@ class EndpointStack(Stack):
             description="pinned (a -c image_uri deploy, kept until -c <variant>.image_source=build) or build",
         )
         CfnOutput(self, "ModelS3Uri", value=model.s3_uri, description="Model data (uncompressed S3 prefix)")
+        CfnOutput(
+            self,
+            "AlarmTopicArn",
+            value=self.endpoint.alarms.topic.topic_arn,
+            description="Every alarm of the endpoint notifies this SNS topic",
+        )
+        CfnOutput(
+            self,
+            "AlarmSubscribers",
+            value=self.variant.alarms.email or f"NONE: {unsubscribed(self.variant)}",
+            description="Who hears of an ALARM (-c <variant>.alarms.email)",
+        )
         CfnOutput(
             self,
             "InvokeCommand",

@@ -12,7 +12,7 @@ do not stop a delete, so ImageStack has termination protection: delete GpuStack 
 from __future__ import annotations
 
 import yaml
-from aws_cdk import ArnFormat, Aws, CfnOutput, Duration, RemovalPolicy, Stack
+from aws_cdk import ArnFormat, Aws, CfnOutput, Duration, RemovalPolicy, Stack, Tags
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_events as events
@@ -35,6 +35,8 @@ from stacks.config import (
     AppConfig,
     ModelArtifact,
     VariantConfig,
+    cost_tags,
+    data_capture_prefix,
     deployed_image_parameter,
 )
 from stacks.handlers.build_states import FAILED_STATES
@@ -60,7 +62,10 @@ def artifacts_bucket_name(project: str) -> str:
 class ArtifactsStore(Construct):
     """The artifacts bucket (staged models, data capture) and the bucket receiving its access logs."""
 
-    def __init__(self, scope: Construct, construct_id: str, *, project: str) -> None:
+    def __init__(
+        self, scope: Construct, construct_id: str, *, project: str, captures: dict[str, int] | None = None
+    ) -> None:
+        """`captures`: data-capture prefix → days its objects are kept (they may hold prompts)."""
         super().__init__(scope, construct_id)
         self.access_logs = s3.Bucket(
             self,
@@ -98,7 +103,16 @@ class ArtifactsStore(Construct):
                 s3.LifecycleRule(
                     noncurrent_version_expiration=Duration.days(30),
                     abort_incomplete_multipart_upload_after=Duration.days(2),
-                )
+                ),
+                *[
+                    s3.LifecycleRule(
+                        id=f"expire-{prefix.strip('/').replace('/', '-')}",
+                        prefix=prefix,
+                        expiration=Duration.days(days),
+                        noncurrent_version_expiration=Duration.days(1),
+                    )
+                    for prefix, days in sorted((captures or {}).items())
+                ],
             ],
             removal_policy=RemovalPolicy.RETAIN,
         )
@@ -632,8 +646,18 @@ class ImageStack(Stack):
         **kwargs,
     ) -> None:
         super().__init__(scope, construct_id, termination_protection=True, **kwargs)
+        for key, value in cost_tags(config).items():  # cost allocation
+            Tags.of(self).add(key, value)
         retention = retention_days(config.cpu.log_retention_days)
-        self.store = ArtifactsStore(self, "Store", project=config.project)
+        self.store = ArtifactsStore(
+            self,
+            "Store",
+            project=config.project,
+            captures={
+                data_capture_prefix(variant): variant.data_capture.retention_days
+                for variant in endpoint_stacks.values()
+            },
+        )
         self.artifacts = self.store.bucket
         self.artifacts_bucket_name = artifacts_bucket_name(config.project)
         self.repository = ImageRepository(self, "Images").repository

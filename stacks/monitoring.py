@@ -17,7 +17,7 @@ would be a cycle.
 
 from __future__ import annotations
 
-from aws_cdk import Aws, Duration, RemovalPolicy
+from aws_cdk import Annotations, Aws, Duration, RemovalPolicy
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_cloudwatch_actions as cw_actions
 from aws_cdk import aws_iam as iam
@@ -129,6 +129,19 @@ class AlarmTopic(Construct):
                 protocol=sns.SubscriptionProtocol.EMAIL,
                 endpoint=variant.alarms.email,
             )
+        else:  # printed by `cdk synth` and `cdk deploy` (and kept in the assembly's metadata)
+            Annotations.of(self).add_warning_v2(
+                "decider:alarm-topic-without-subscriber", unsubscribed(variant)
+            )
+
+
+def unsubscribed(variant: VariantConfig) -> str:
+    """The warning for an alarm topic nobody reads."""
+    return (
+        f"the alarms of {variant.endpoint_name} notify an SNS topic without a subscriber: nobody hears of "
+        f"an ALARM. Set -c {variant.name}.alarms.email=ops@example.com (and confirm the e-mail), or "
+        "subscribe your own endpoint to the stack output AlarmTopicArn"
+    )
 
 
 class EndpointAlarms(Construct):

@@ -43,7 +43,7 @@ EXPECTED_RESOURCES = {
         "AWS::SSM::Parameter": 1,
         "AWS::IAM::Role": 1,
         "AWS::IAM::Policy": 1,
-        "AWS::KMS::Key": 2,  # the ML volume and the alarm topic
+        "AWS::KMS::Key": 3,  # the ML volume, the alarm topic and the endpoint's log group
         "AWS::SNS::Topic": 1,
         "AWS::SNS::TopicPolicy": 1,
         "AWS::Logs::LogGroup": 1,
@@ -57,7 +57,7 @@ EXPECTED_RESOURCES = {
     },
 }
 # The GPU stack is the CPU stack minus the volume key (NVMe instance storage).
-EXPECTED_RESOURCES["GpuStack"] = {**EXPECTED_RESOURCES["CpuStack"], "AWS::KMS::Key": 1}
+EXPECTED_RESOURCES["GpuStack"] = {**EXPECTED_RESOURCES["CpuStack"], "AWS::KMS::Key": 2}
 
 
 def _listify(value):
@@ -848,3 +848,58 @@ def test_preflight_checks_the_bootstrap_version_the_templates_require(synth):
         rule = synth.templates[stack]["Rules"]["CheckBootstrapVersion"]["Assertions"][0]
         refused = rule["Assert"]["Fn::Not"][0]["Fn::Contains"][0]
         assert refused == [str(v) for v in range(1, MIN_BOOTSTRAP_VERSION)]
+
+
+# --- what a platform team expects: logs, captures, cost tags, a warned-about empty alarm topic --------
+
+
+@pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
+def test_the_endpoint_log_group_is_encrypted_with_a_key_only_its_logs_may_use(synth, stack, name):
+    template = synth.templates[stack]
+    group = only(template, "AWS::Logs::LogGroup")["Properties"]
+    assert group["LogGroupName"] == f"/aws/sagemaker/Endpoints/{name}"
+    (key_id,) = [k for k in resources(template, "AWS::KMS::Key") if "LogsKey" in k]
+    assert group["KmsKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
+    key = template["Resources"][key_id]["Properties"]
+    assert key["EnableKeyRotation"] is True
+    logs = next(s for s in key["KeyPolicy"]["Statement"] if s.get("Sid") == "CloudWatchLogsEncrypt")
+    assert "logs." in json.dumps(logs["Principal"])
+    assert f"/aws/sagemaker/Endpoints/{name}" in json.dumps(logs["Condition"])
+
+
+def test_captured_data_expires(synth):
+    bucket = next(
+        v["Properties"]
+        for k, v in resources(synth.templates["ImageStack"], "AWS::S3::Bucket").items()
+        if "Artifacts" in k
+    )
+    rules = {r.get("Prefix"): r for r in bucket["LifecycleConfiguration"]["Rules"]}
+    for name in ("decider-cpu", "decider-gpu"):
+        rule = rules[f"data-capture/{name}/"]
+        assert rule["ExpirationInDays"] == 30 and rule["Status"] == "Enabled"
+        assert rule["NoncurrentVersionExpiration"] == {"NoncurrentDays": 1}
+
+
+@pytest.mark.parametrize(("stack", "variant"), [("CpuStack", "cpu"), ("GpuStack", "gpu")])
+def test_resources_carry_cost_allocation_tags(synth, stack, variant):
+    template = synth.templates[stack]
+    expected = {"project": "decider", "variant": variant, "endpoint": f"decider-{variant}"}
+    for cfn_type in ("AWS::SageMaker::Endpoint", "AWS::SageMaker::EndpointConfig", "AWS::SageMaker::Model"):
+        tags = {t["Key"]: t["Value"] for t in only(template, cfn_type)["Properties"]["Tags"]}
+        assert expected.items() <= tags.items(), cfn_type
+    image_tags = {
+        t["Key"]: t["Value"]
+        for t in only(synth.templates["ImageStack"], "AWS::ECR::Repository")["Properties"]["Tags"]
+    }
+    assert image_tags == {"project": "decider"}
+
+
+def test_an_alarm_topic_without_subscriber_is_warned_about_at_synth_and_in_the_outputs(synth, synth_prebuilt):
+    outputs = synth.templates["CpuStack"]["Outputs"]
+    assert outputs["AlarmSubscribers"]["Value"].startswith("NONE: the alarms of decider-cpu notify")
+    assert "-c cpu.alarms.email=" in outputs["AlarmSubscribers"]["Value"]
+    assert "AlarmTopicArn" in outputs
+    metadata = json.loads((synth.outdir / "CpuStack.metadata.json").read_text())
+    warnings = [e["data"] for entries in metadata.values() for e in entries if e["type"] == "aws:cdk:warning"]
+    assert any("without a subscriber" in str(w) for w in warnings), warnings
+    assert synth_prebuilt.templates["CpuStack"]["Outputs"]["AlarmSubscribers"]["Value"] == "ops@example.com"
