@@ -213,6 +213,13 @@ class DeploymentConfig(_Strict):
     maximum_execution_timeout_s: int = Field(
         7200, ge=600, le=28800, description="Upper bound for the whole deployment."
     )
+    synthetic_load_per_minute: int = Field(
+        12,
+        ge=0,
+        le=120,
+        description="Small decision requests a minute sent while an update bakes, so that the rollback "
+        "alarms can judge a quiet canary (0: none). At least alarms.error_rate_min_invocations to count.",
+    )
 
 
 class AlarmConfig(_Strict):

@@ -221,3 +221,35 @@ class PostDeployCheck(Construct):
             },
         )
         self.result = self.resource.get_att_string("Result")
+
+
+class BakeLoad(Construct):
+    """Synthetic decision requests while the endpoint's blue/green update bakes (handlers/bake_load.py).
+
+    It depends on the new endpoint config, as the Endpoint does, and not on the Endpoint, so
+    CloudFormation runs it beside the update; its properties name the config, so every update gets one."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        image_stack: ImageStack,
+        endpoint_name: str,
+        endpoint_config_name: str,
+        load_per_minute: int,
+    ):
+        super().__init__(scope, construct_id)
+        self.resource = CustomResource(
+            self,
+            "Resource",
+            service_token=image_stack.provider.service_token,
+            resource_type="Custom::BakeLoad",
+            service_timeout=_service_timeout(),
+            properties={
+                "Kind": "BakeLoad",
+                "EndpointName": endpoint_name,
+                "EndpointConfigName": endpoint_config_name,
+                "LoadPerMinute": str(load_per_minute),
+            },
+        )

@@ -20,7 +20,7 @@ from stacks.config import (
     cost_tags,
     deployed_image_parameter,
 )
-from stacks.deploy_time_build import DeployedImage, ImageBuild, ModelStaging, PostDeployCheck
+from stacks.deploy_time_build import BakeLoad, DeployedImage, ImageBuild, ModelStaging, PostDeployCheck
 from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
 from stacks.image_stack import ImageStack
 from stacks.monitoring import EndpointDashboard, unsubscribed
@@ -85,6 +85,15 @@ class EndpointStack(Stack):
         if image.guard is not None:  # the image is checked and protected before the model uses it
             self.endpoint.model.node.add_dependency(image.guard)
         self.dashboard = EndpointDashboard(self, "Monitoring", variant=variant, alarms=self.endpoint.alarms)
+        if variant.deployment.synthetic_load_per_minute:
+            self.bake_load = BakeLoad(
+                self,
+                "BakeLoad",
+                image_stack=image_stack,
+                endpoint_name=variant.endpoint_name,
+                endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
+                load_per_minute=variant.deployment.synthetic_load_per_minute,
+            )
         self.check = PostDeployCheck(
             self,
             "PostDeployCheck",

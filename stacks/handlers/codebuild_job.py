@@ -13,6 +13,8 @@
   URI), checked to exist and tagged `keep-<digest>` so that the ECR lifecycle never expires it.
 * `PostDeployCheck`: after the endpoint update, fail the deploy unless the endpoint runs this
   stack's config and answers a decision and a chat request (post_deploy_check.py).
+* `BakeLoad`: beside the endpoint update, a few synthetic decision requests a minute while it bakes,
+  so that the rollback alarms can judge a quiet canary (bake_load.py).
 
 CodeBuild refuses StartBuild with AccountLimitExceededException while the account's concurrent-build
 quota is used up (0 or 1 on many new accounts); `is_complete` then retries with exponential backoff
@@ -33,9 +35,10 @@ import boto3
 from botocore.exceptions import ClientError
 
 try:  # package import (tools, tests)
-    from . import image_retention, post_deploy_check, wait_signal
+    from . import bake_load, image_retention, post_deploy_check, wait_signal
     from .build_states import FAILED_STATES
 except ImportError:  # the Lambda asset's root
+    import bake_load  # type: ignore[no-redef]
     import image_retention  # type: ignore[no-redef]
     import post_deploy_check  # type: ignore[no-redef]
     import wait_signal  # type: ignore[no-redef]
@@ -108,6 +111,8 @@ def _physical_id(props: dict[str, Any]) -> str:
         return f"{_model_uri(props)}{props['File']}"
     if kind == "PostDeployCheck":
         return f"post-deploy-check:{props['EndpointName']}"
+    if kind == "BakeLoad":
+        return f"bake-load:{props['EndpointName']}"
     return f"deployed-image:{props.get('EndpointName', '')}"
 
 
@@ -474,6 +479,8 @@ def on_event(
         data = deployed_image(clients, event)
     elif kind == "PostDeployCheck":
         data = post_deploy_check.start(clients, event, now)
+    elif kind == "BakeLoad":
+        data = bake_load.start(clients, event, now)
     else:
         raise ValueError(f"unknown job kind {kind!r}")
     return {"PhysicalResourceId": _physical_id(props), "Data": data}
@@ -492,6 +499,8 @@ def is_complete(
     kind = props["Kind"]
     if kind == "PostDeployCheck":
         return post_deploy_check.check(clients, props, data, now)
+    if kind == "BakeLoad":
+        return bake_load.check(clients, props, data, now)
     if kind == "DeployedImage":
         return {"IsComplete": True, "Data": data}
     build_id = data.get("BuildId", "")

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.cdk
 PROVIDER_FUNCTION = "BuildRunnerProviderframeworkonEvent700C605B"
 PROVIDER_OUTPUT = "PublishOutputFnGetAttBuildRunnerProviderframeworkonEvent700C605BArn955BCB6A"
 CUSTOM_RESOURCE_TYPES = {
+    "Custom::BakeLoad",
     "Custom::ModelStaging",
     "Custom::ImageBuild",
     "Custom::DeployedImage",

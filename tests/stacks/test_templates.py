@@ -40,6 +40,7 @@ EXPECTED_RESOURCES = {
         "AWS::CloudFormation::WaitCondition": 1,
         "Custom::DeployedImage": 1,
         "Custom::PostDeployCheck": 1,
+        "Custom::BakeLoad": 1,
         "AWS::SSM::Parameter": 1,
         "AWS::IAM::Role": 1,
         "AWS::IAM::Policy": 1,
@@ -903,3 +904,18 @@ def test_an_alarm_topic_without_subscriber_is_warned_about_at_synth_and_in_the_o
     warnings = [e["data"] for entries in metadata.values() for e in entries if e["type"] == "aws:cdk:warning"]
     assert any("without a subscriber" in str(w) for w in warnings), warnings
     assert synth_prebuilt.templates["CpuStack"]["Outputs"]["AlarmSubscribers"]["Value"] == "ops@example.com"
+
+
+@pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
+def test_synthetic_load_runs_beside_the_endpoint_update(synth, stack, name):
+    """It needs the new config (so every update gets one) and must not wait for the Endpoint."""
+    template = synth.templates[stack]
+    load = only(template, "Custom::BakeLoad")
+    config_id = _logical_id(template, "AWS::SageMaker::EndpointConfig")
+    endpoint_id = _logical_id(template, "AWS::SageMaker::Endpoint")
+    props = load["Properties"]
+    assert props["EndpointName"] == name and props["LoadPerMinute"] == "12"
+    assert props["EndpointConfigName"] == {"Fn::GetAtt": [config_id, "EndpointConfigName"]}
+    assert endpoint_id not in json.dumps(load)
+    floor = synth.decider.config.variant(stack[:3].lower()).alarms.error_rate_min_invocations
+    assert int(props["LoadPerMinute"]) >= floor  # enough for the rollback alarms to count a minute
