@@ -12,6 +12,8 @@
   group left by a manual test, `promote apply` or a deleted stack makes the stack's creation fail with
   "already exists").
 - A compute type CodeBuild does not offer in the region (no concurrent-builds quota for it) blocks.
+- A deploy that would start at a low instance count under load warns: the fleet cannot scale during
+  the update, and the new fleet starts at the live count (RetainAllVariantProperties).
 
 Nothing here changes anything; every finding says how to fix it.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -43,7 +46,7 @@ CFN_STACK_TAG = "aws:cloudformation:stack-name"
 @dataclass
 class Finding:
     check: str
-    status: str  # "ok" | "missing" | "unknown"
+    status: str  # "ok" | "missing" | "unknown" | "warning" (does not block)
     detail: str
     fix: str = ""
 
@@ -348,4 +351,74 @@ def run_all(clients: dict[str, Any], target: Target) -> list[Finding]:
         *codebuild_quotas(clients["service-quotas"], target),
         *leftovers(clients["s3"], clients["sagemaker"], clients["cloudformation"], target),
         *log_groups(clients["logs"], clients["cloudformation"], target),
+        *frozen_scaling(clients["sagemaker"], clients["cloudwatch"], target),
     ]
+
+
+LOAD_WINDOW = timedelta(minutes=15)
+LOW_COUNT_LOAD = 0.5  # of target_invocations_per_instance: "under load"
+
+
+def frozen_scaling(
+    sagemaker: Any, cloudwatch: Any, target: Target, now: datetime | None = None
+) -> list[Finding]:
+    """Warn when an existing endpoint runs below max_capacity while its invocations per instance over
+    the last 15 minutes reach half the target: an update runs for the whole canary, linear and
+    termination bake (and its fleet keeps the live count), during which autoscaling does not scale."""
+    now = now or datetime.now(UTC)
+    findings = []
+    for variant in target.variants:
+        if not variant.autoscaling:
+            continue
+        label = f"instances of {variant.endpoint_name} before the update"
+        try:
+            endpoint = sagemaker.describe_endpoint(EndpointName=variant.endpoint_name)
+        except ClientError as error:
+            if _code(error) == "ValidationException":  # no endpoint yet: a create, nothing to scale
+                continue
+            findings.append(Finding(label, "unknown", f"could not read it: {_code(error)}"))
+            continue
+        try:
+            count = sum(int(v.get("CurrentInstanceCount", 0)) for v in endpoint.get("ProductionVariants", []))
+            points = cloudwatch.get_metric_statistics(
+                Namespace="AWS/SageMaker",
+                MetricName="Invocations",
+                Dimensions=[
+                    {"Name": "EndpointName", "Value": variant.endpoint_name},
+                    {"Name": "VariantName", "Value": "AllTraffic"},
+                ],
+                StartTime=now - LOAD_WINDOW,
+                EndTime=now,
+                Period=60,
+                Statistics=["Sum"],
+            ).get("Datapoints", [])
+        except (ClientError, BotoCoreError) as error:
+            findings.append(Finding(label, "unknown", f"could not read the load: {_code(error)}"))
+            continue
+        per_minute = sum(p["Sum"] for p in points) / (LOAD_WINDOW.total_seconds() / 60)
+        per_instance = per_minute / max(count, 1)
+        bake = variant.deployment.wait_interval_s + variant.deployment.termination_wait_s
+        what = (
+            f"{count} of at most {variant.max_capacity} instances, {per_instance:.1f} invocations a minute "
+            f"each over the last 15 min (target {variant.target_invocations_per_instance})"
+        )
+        if (
+            count < variant.max_capacity
+            and per_instance >= LOW_COUNT_LOAD * variant.target_invocations_per_instance
+        ):
+            findings.append(
+                Finding(
+                    label,
+                    "warning",
+                    f"{what}: autoscaling cannot add instances during the update (at least "
+                    f"{bake // 60} min of baking), and the new fleet starts at this count",
+                    "scale out first: aws application-autoscaling register-scalable-target "
+                    "--service-namespace sagemaker --scalable-dimension "
+                    f"sagemaker:variant:DesiredInstanceCount --resource-id endpoint/{variant.endpoint_name}"
+                    f"/variant/AllTraffic --min-capacity {variant.max_capacity}, and the same with "
+                    f"--min-capacity {variant.min_capacity} after the deploy; or deploy at a quieter hour",
+                )
+            )
+        else:
+            findings.append(Finding(label, "ok", what))
+    return findings
