@@ -185,7 +185,13 @@ def _fail(
                 f"{reason}; {name} is {status}, so it could not be parked for the rollback"
             )
         LOG.warning("%s; parking %s for the rollback", reason, name)
-        park(clients["sagemaker"], name, previous, parked, reason)
+        try:
+            park(clients["sagemaker"], name, previous, parked, reason)
+        except ClientError as error:  # fail now with both reasons: the rollback may need a hand
+            raise PostDeployCheckError(
+                f"{reason}; parking {name} on a copy of {previous} failed ({error}): if the stack's rollback "
+                "fails, see docs/deploy.md, 'Rollbacks that finish'"
+            ) from error
         return {"IsComplete": False}
     if status != "InService":
         raise PostDeployCheckError(f"{reason}; parking {name} on {parked} left it {status}")

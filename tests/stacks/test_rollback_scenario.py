@@ -238,3 +238,18 @@ def test_a_first_deploy_fails_at_once_its_rollback_deletes_the_endpoint(aws):
     with pytest.raises(post_deploy_check.PostDeployCheckError, match="smoke calls"):
         codebuild_job.is_complete({**create, **started}, clients=clients, now=late)
     assert aws["simulator"].update_calls == []  # nothing parked
+
+
+def test_a_refused_parking_fails_at_once_with_both_reasons(aws, monkeypatch):
+    cloudformation_updates_the_endpoint(aws, NEW)
+    set_alarms(aws, "ALARM")
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise ClientError(
+            {"Error": {"Code": "AccessDeniedException", "Message": "no"}}, "CreateEndpointConfig"
+        )
+
+    monkeypatch.setattr(aws["sagemaker"], "create_endpoint_config", refuse)
+    message = run_check(aws, alarms_clear_after=1)
+    assert "smoke calls on decider-cpu failed" in message and "parking decider-cpu" in message
+    assert "AccessDeniedException" in message and "Rollbacks that finish" in message
