@@ -77,6 +77,11 @@ IMAGE_WAIT_MARGIN_MINUTES = 15  # signal delivery, push, provisioning on top of 
 BUILD_START_RETRY_MINUTES = 10
 # A build still running this long after its own timeout is stopped by the handler.
 BUILD_DEADLINE_GRACE_MINUTES = 5
+# Autoscaling on concurrency: a server taking requests one after the other, with random arrivals, holds
+# on average rho / (1 - rho) requests at utilisation rho (M/M/1); at the 70 % the invocation targets use,
+# 2.3 (tools/capacity/planner.py prints the derivation).
+TARGET_UTILISATION = 0.7
+DEFAULT_CONCURRENCY_TARGET = round(TARGET_UTILISATION / (1 - TARGET_UTILISATION), 1)
 DEFAULT_EBS_VOLUME_GB = 30  # ML storage volume on EBS-backed types: the 3 GB GGUF twice, plus room
 
 # CloudWatch Logs' allowed retention periods, in the order of aws_logs.RetentionDays.
@@ -208,6 +213,13 @@ class DeploymentConfig(_Strict):
     maximum_execution_timeout_s: int = Field(
         7200, ge=600, le=28800, description="Upper bound for the whole deployment."
     )
+    synthetic_load_per_minute: int = Field(
+        12,
+        ge=0,
+        le=120,
+        description="Small decision requests a minute sent while an update bakes, so that the rollback "
+        "alarms can judge a quiet canary (0: none). At least alarms.error_rate_min_invocations to count.",
+    )
 
 
 class AlarmConfig(_Strict):
@@ -258,6 +270,12 @@ class AlarmConfig(_Strict):
 class DataCaptureConfig(_Strict):
     enabled: bool = Field(False, description="Capture requests and responses to the artifacts bucket.")
     sampling_percentage: int = Field(10, ge=1, le=100, description="Share of requests captured.")
+    retention_days: int = Field(
+        30,
+        ge=1,
+        le=3650,
+        description="Captured requests and responses (they may hold prompts) expire after this many days.",
+    )
 
 
 class RoutingConfig(_Strict):
@@ -360,8 +378,23 @@ class VariantConfig(_Strict):
         True,
         description="Register the variant with Application Auto Scaling (turn off to change instance type).",
     )
+    scaling_metric: Literal["concurrency", "invocations"] = Field(
+        "concurrency",
+        description="Target tracking on SageMakerVariantConcurrentRequestsPerModelHighResolution (10 s, "
+        "counts queued and streaming requests) or on SageMakerVariantInvocationsPerInstance (per minute).",
+    )
+    target_concurrency_per_instance: float = Field(
+        DEFAULT_CONCURRENCY_TARGET,
+        gt=0,
+        le=1000,
+        description="scaling_metric=concurrency: requests in the container per instance, on average "
+        "(capacity-plan: what one back-to-back server holds at 70 % utilisation).",
+    )
     target_invocations_per_instance: int = Field(
-        60, ge=1, description="Target tracking on SageMakerVariantInvocationsPerInstance (per minute)."
+        60,
+        ge=1,
+        description="scaling_metric=invocations: target tracking on SageMakerVariantInvocationsPerInstance "
+        "(per minute).",
     )
     scale_in_cooldown_s: int = Field(600, ge=0, le=3600, description="Wait after a scale-in.")
     scale_out_cooldown_s: int = Field(120, ge=0, le=3600, description="Wait after a scale-out.")
@@ -389,6 +422,10 @@ class VariantConfig(_Strict):
     network_isolation: bool = Field(True, description="No outbound network from the container.")
     log_retention_days: int = Field(
         30, description="Log retention of the endpoint (ImageStack's build logs use cpu's value)."
+    )
+    log_kms: bool = Field(
+        True,
+        description="Encrypt the endpoint's log group (which may hold prompts) with a customer-managed key.",
     )
     image_uri: str | None = Field(
         None, description="Prebuilt image <repo>@sha256:<digest>: skips the build. Global key: image_uri."
@@ -621,6 +658,20 @@ def deployed_image_parameter(project: str, variant: VariantConfig) -> str:
     return f"/{project}/{variant.endpoint_name}/image"
 
 
+def cost_tags(config: AppConfig, variant: VariantConfig | None = None) -> dict[str, str]:
+    """The cost-allocation tags of a stack's resources: `project`, and an endpoint stack's `variant`
+    and `endpoint`."""
+    tags = {"project": config.project}
+    if variant is not None:
+        tags |= {"variant": variant.name, "endpoint": variant.endpoint_name}
+    return tags
+
+
+def data_capture_prefix(variant: VariantConfig) -> str:
+    """Where a variant's captured requests and responses go in the artifacts bucket (expired there)."""
+    return f"data-capture/{variant.endpoint_name}/"
+
+
 def estimated_volume_need_gb(model: ModelArtifact) -> int:
     """The model's size in GB, rounded up, twice (download + the mounted copy) plus 4 GB of room."""
     return 2 * math.ceil(model.size_bytes / 1e9) + 4
@@ -638,6 +689,12 @@ class AppConfig(_Strict):
 
     def variant(self, name: VariantName) -> VariantConfig:
         return self.cpu if name == "cpu" else self.gpu
+
+    @field_validator("account", mode="before")
+    @classmethod
+    def _account_as_text(cls, value: Any) -> Any:
+        """`-c account=123456789012` arrives JSON-decoded as a number; an account id is text."""
+        return f"{value:012d}" if isinstance(value, int) and not isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _volume_holds_the_model(self) -> AppConfig:

@@ -22,6 +22,7 @@ import json
 from aws_cdk import Aws, CfnWaitCondition, CfnWaitConditionHandle, CustomResource, Duration, Token
 from constructs import Construct
 
+from stacks.common import identity
 from stacks.config import (
     CUSTOM_RESOURCE_TIMEOUT_S,
     ModelArtifact,
@@ -32,29 +33,22 @@ from stacks.config import (
 from stacks.image_stack import ImageStack
 
 
-def image_tag(variant: VariantConfig, source_hash: str) -> str:
-    """`<cpu|cuda>-<content hash of container/>`: immutable, never `latest`.
+def image_tag(variant: VariantConfig, source_hash: str, buildspec: str) -> str:
+    """`<cpu|cuda>-<hash of the build's inputs>`: immutable, never `latest`.
 
-    Build arguments (the configured ones and the CUDA architectures) change the image without
-    changing the source, so they are folded into the hash (and a change of them rebuilds).
+    The inputs are what the image is made of: the content hash of container/, the build arguments
+    (the configured ones and the CUDA architectures) and the buildspec that runs the build (as
+    inlined into the template: YAML comments do not count). A change of any of them rebuilds; a
+    change of how the build runs (compute type, timeouts) does not.
     """
-    args = variant.docker_build_args
-    if not args:
-        return f"{variant.build_variant}-{source_hash}"
-    digest = hashlib.sha256(json.dumps([source_hash, args], sort_keys=True).encode()).hexdigest()
+    recipe = hashlib.sha256(buildspec.encode()).hexdigest()
+    inputs = [source_hash, variant.docker_build_args, recipe]
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     return f"{variant.build_variant}-{digest}"
 
 
 def _service_timeout() -> Duration:
     return Duration.seconds(CUSTOM_RESOURCE_TIMEOUT_S)
-
-
-def build_inputs_id(tag: str, image_source: str, wait_minutes: int) -> str:
-    """The suffix of the wait condition and its handle: new whenever one of their inputs changes.
-
-    A handle must not be signalled twice, and a wait condition's Timeout cannot be updated in place
-    (CloudFormation: "Updates aren't supported"), so a new timeout also needs a new wait."""
-    return hashlib.sha256(f"{tag}|{image_source}|{wait_minutes}".encode()).hexdigest()[:12].upper()
 
 
 class ImageBuild(Construct):
@@ -70,37 +64,50 @@ class ImageBuild(Construct):
         project: str,
     ):
         super().__init__(scope, construct_id)
-        self.tag = image_tag(variant, image_stack.source_hash)
+        self.tag = image_tag(variant, image_stack.source_hash, image_stack.image_buildspec)
         wait_minutes = image_wait_minutes(variant.image_build)
-        inputs = build_inputs_id(self.tag, variant.image_source, wait_minutes)
-        handle = CfnWaitConditionHandle(self, f"Handle{inputs}")
         source = image_stack.container_source
+        properties = {
+            "Kind": "Image",
+            "ProjectName": image_stack.projects.image.project_name,
+            "SourceBucket": source.s3_bucket_name,
+            "SourceKey": source.s3_object_key,
+            "RepositoryName": image_stack.repository.repository_name,
+            # Same account and region as ImageStack; built here rather than split from the ARN.
+            "RepositoryUri": f"{Aws.ACCOUNT_ID}.dkr.ecr.{Aws.REGION}.{Aws.URL_SUFFIX}/"
+            f"{image_stack.repository.repository_name}",
+            "ImageTag": self.tag,
+            "Variant": variant.build_variant,
+            "ComputeType": variant.image_build.compute_type,
+            "TimeoutMinutes": str(variant.image_build.timeout_minutes),
+            "QueuedTimeoutMinutes": str(variant.image_build.queued_timeout_minutes),
+            "BuildArgs": "\n".join(f"{k}={v}" for k, v in variant.docker_build_args.items()),
+            "Buildspec": image_stack.image_buildspec,
+            "ImageSource": variant.image_source,
+            "DeployedImageParameter": deployed_image_parameter(project, variant),
+        }
+        # Every property of the build request, the service token and the wait's timeout name the
+        # handle and the wait condition: any change to the request is an update of Custom::ImageBuild,
+        # and "to update a resource with a wait condition, associate the wait condition with a new
+        # WaitConditionHandle" (and a wait condition's Timeout cannot be updated).
+        service_token = image_stack.provider.service_token
+        inputs = identity(
+            self,
+            {
+                "service_token": service_token,
+                "service_timeout_s": CUSTOM_RESOURCE_TIMEOUT_S,
+                "wait_timeout_s": wait_minutes * 60,
+                **properties,
+            },
+        )
+        handle = CfnWaitConditionHandle(self, f"Handle{inputs}")
         self.resource = CustomResource(
             self,
             "Resource",
-            service_token=image_stack.provider.service_token,
+            service_token=service_token,
             resource_type="Custom::ImageBuild",
             service_timeout=_service_timeout(),
-            properties={
-                "Kind": "Image",
-                "ProjectName": image_stack.projects.image.project_name,
-                "SourceBucket": source.s3_bucket_name,
-                "SourceKey": source.s3_object_key,
-                "RepositoryName": image_stack.repository.repository_name,
-                # Same account and region as ImageStack; built here rather than split from the ARN.
-                "RepositoryUri": f"{Aws.ACCOUNT_ID}.dkr.ecr.{Aws.REGION}.{Aws.URL_SUFFIX}/"
-                f"{image_stack.repository.repository_name}",
-                "ImageTag": self.tag,
-                "Variant": variant.build_variant,
-                "ComputeType": variant.image_build.compute_type,
-                "TimeoutMinutes": str(variant.image_build.timeout_minutes),
-                "QueuedTimeoutMinutes": str(variant.image_build.queued_timeout_minutes),
-                "BuildArgs": "\n".join(f"{k}={v}" for k, v in variant.docker_build_args.items()),
-                "Buildspec": image_stack.image_buildspec,
-                "WaitHandle": handle.ref,
-                "ImageSource": variant.image_source,
-                "DeployedImageParameter": deployed_image_parameter(project, variant),
-            },
+            properties={**properties, "WaitHandle": handle.ref},
         )
         self.wait = CfnWaitCondition(
             self,
@@ -196,6 +203,7 @@ class PostDeployCheck(Construct):
         image_stack: ImageStack,
         endpoint_name: str,
         endpoint_config_name: str,
+        rollback_alarms: list[str],
     ):
         super().__init__(scope, construct_id)
         self.resource = CustomResource(
@@ -208,6 +216,40 @@ class PostDeployCheck(Construct):
                 "Kind": "PostDeployCheck",
                 "EndpointName": endpoint_name,
                 "EndpointConfigName": endpoint_config_name,
+                # A failing check waits for these to leave ALARM before the stack rolls back.
+                "RollbackAlarms": rollback_alarms,
             },
         )
         self.result = self.resource.get_att_string("Result")
+
+
+class BakeLoad(Construct):
+    """Synthetic decision requests while the endpoint's blue/green update bakes (handlers/bake_load.py).
+
+    It depends on the new endpoint config, as the Endpoint does, and not on the Endpoint, so
+    CloudFormation runs it beside the update; its properties name the config, so every update gets one."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        image_stack: ImageStack,
+        endpoint_name: str,
+        endpoint_config_name: str,
+        load_per_minute: int,
+    ):
+        super().__init__(scope, construct_id)
+        self.resource = CustomResource(
+            self,
+            "Resource",
+            service_token=image_stack.provider.service_token,
+            resource_type="Custom::BakeLoad",
+            service_timeout=_service_timeout(),
+            properties={
+                "Kind": "BakeLoad",
+                "EndpointName": endpoint_name,
+                "EndpointConfigName": endpoint_config_name,
+                "LoadPerMinute": str(load_per_minute),
+            },
+        )

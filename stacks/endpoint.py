@@ -24,8 +24,8 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
-from stacks.common import retention_days
-from stacks.config import ENDPOINT_TAG, VariantConfig, supports_volume_kms
+from stacks.common import identity, retention_days
+from stacks.config import ENDPOINT_TAG, VariantConfig, data_capture_prefix, supports_volume_kms
 from stacks.monitoring import VARIANT_NAME, EndpointAlarms
 from stacks.nag import acknowledge
 
@@ -170,18 +170,57 @@ class DeciderEndpoint(Construct):
         model: ModelLocation,
         environment: dict[str, str],
         data_capture_bucket: str,
+        stack_tags: dict[str, str] | None = None,
     ) -> None:
+        """`stack_tags`: the tags the stack applies to every resource (the Endpoint's among them)."""
         super().__init__(scope, construct_id)
         self.variant = variant
         self.execution = ExecutionRole(self, "Execution", variant=variant, image=image, model=model)
         role = self.execution.role
 
-        # SageMaker creates this log group on first start; owning it here sets its retention.
+        # SageMaker creates this log group on first start; owning it here sets its retention and key.
+        log_group_name = f"/aws/sagemaker/Endpoints/{variant.endpoint_name}"
+        self.log_key: kms.Key | None = None
+        if variant.log_kms:
+            # The container's logs may hold prompts. CloudWatch Logs encrypts with the key itself (its
+            # regional service principal, limited to this log group by the encryption context); the
+            # writers need no KMS permission (CloudWatch Logs User Guide, "Encrypt log data in
+            # CloudWatch Logs using AWS KMS").
+            self.log_key = kms.Key(
+                self,
+                "LogsKey",
+                description=f"Encrypts the log group of the {variant.endpoint_name} endpoint",
+                enable_key_rotation=True,
+                removal_policy=RemovalPolicy.DESTROY,
+                pending_window=Duration.days(7),
+            )
+            log_group_arn = Stack.of(self).format_arn(
+                service="logs",
+                resource="log-group",
+                resource_name=log_group_name,
+                arn_format=ArnFormat.COLON_RESOURCE_NAME,
+            )
+            self.log_key.add_to_resource_policy(
+                iam.PolicyStatement(
+                    sid="CloudWatchLogsEncrypt",
+                    principals=[iam.ServicePrincipal(f"logs.{Aws.REGION}.amazonaws.com")],
+                    actions=[
+                        "kms:Encrypt*",
+                        "kms:Decrypt*",
+                        "kms:ReEncrypt*",
+                        "kms:GenerateDataKey*",
+                        "kms:Describe*",
+                    ],
+                    resources=["*"],  # in a key policy, "*" is this key
+                    conditions={"ArnEquals": {"kms:EncryptionContext:aws:logs:arn": log_group_arn}},
+                )
+            )
         self.log_group = logs.LogGroup(
             self,
             "Logs",
-            log_group_name=f"/aws/sagemaker/Endpoints/{variant.endpoint_name}",
+            log_group_name=log_group_name,
             retention=retention_days(variant.log_retention_days),
+            encryption_key=self.log_key,
             removal_policy=RemovalPolicy.DESTROY,
         )
 
@@ -236,7 +275,7 @@ class DeciderEndpoint(Construct):
 
         data_capture = None
         if variant.data_capture.enabled:
-            prefix = f"data-capture/{variant.endpoint_name}/"
+            prefix = data_capture_prefix(variant)
             role.add_to_policy(
                 iam.PolicyStatement(
                     sid="WriteDataCapture",
@@ -268,9 +307,34 @@ class DeciderEndpoint(Construct):
                 kms_key_id=self.volume_key.key_arn if self.volume_key else None,
             )
 
+        # What the Endpoint resource carries besides its config name. UpdateEndpoint needs a new
+        # EndpointConfig ("To update an endpoint, you must create a new EndpointConfig", SageMaker API
+        # reference), so the config is named after these too: any change to the Endpoint (deployment
+        # policy, retained variant properties, …) replaces the config under a new generated name.
+        endpoint_settings = {
+            "endpoint_name": variant.endpoint_name,
+            "deployment_config": self._deployment_config(),
+            # An update keeps the live instance count (autoscaled fleets are not reset to
+            # initial_instance_count) and weight. Without autoscaling the configured count applies.
+            # DataCaptureConfig cannot be excluded ("Not currently supported", SageMaker API
+            # reference, VariantProperty).
+            "retain_all_variant_properties": True,
+            "exclude_retained_variant_properties": (
+                None
+                if variant.autoscaling
+                else [
+                    sagemaker.CfnEndpoint.VariantPropertyProperty(
+                        variant_property_type="DesiredInstanceCount"
+                    )
+                ]
+            ),
+        }
+        # The stack's tags reach the Endpoint too (Tags.of(stack)), after this constructor.
+        self.endpoint_settings_id = identity(self, {**endpoint_settings, "tags": stack_tags or {}})
+
         self.endpoint_config = sagemaker.CfnEndpointConfig(
             self,
-            "Config",
+            f"Config{self.endpoint_settings_id}",
             # No EndpointConfigName: every property change replaces the config, which needs a new name.
             production_variants=[self._production_variant()],
             kms_key_id=self.volume_key.key_arn if self.volume_key else None,
@@ -292,23 +356,8 @@ class DeciderEndpoint(Construct):
         self.endpoint = sagemaker.CfnEndpoint(
             self,
             "Endpoint",
-            endpoint_name=variant.endpoint_name,
             endpoint_config_name=self.endpoint_config.attr_endpoint_config_name,
-            deployment_config=self._deployment_config(),
-            # An update keeps the live instance count (autoscaled fleets are not reset to
-            # initial_instance_count) and weight. Without autoscaling the configured count applies.
-            # DataCaptureConfig cannot be excluded ("Not currently supported", SageMaker API
-            # reference, VariantProperty).
-            retain_all_variant_properties=True,
-            exclude_retained_variant_properties=(
-                None
-                if variant.autoscaling
-                else [
-                    sagemaker.CfnEndpoint.VariantPropertyProperty(
-                        variant_property_type="DesiredInstanceCount"
-                    )
-                ]
-            ),
+            **endpoint_settings,
         )
         self.endpoint.node.add_dependency(self.log_group)
         if variant.autoscaling:
@@ -380,7 +429,11 @@ class DeciderEndpoint(Construct):
         )
 
     def _autoscaling(self) -> None:
-        """Target tracking on invocations per instance (L1: the L2 target would create an unused role)."""
+        """Target tracking (L1: the L2 target would create an unused role). By default on the
+        high-resolution concurrency metric: "the number of concurrent requests being received by a model
+        container", queued and streaming ones included, every 10 s, so a fleet serving long requests
+        scales out within a minute rather than after several minutes of invocation counts (SageMaker,
+        "Define a scaling policy")."""
         variant = self.variant
         self.scalable_target = appscaling.CfnScalableTarget(
             self,
@@ -393,16 +446,22 @@ class DeciderEndpoint(Construct):
         )
         # Registering a target needs the endpoint; deregistering must happen before it is deleted.
         self.scalable_target.add_resource_dependency(self.endpoint)
+        if variant.scaling_metric == "concurrency":
+            metric = "SageMakerVariantConcurrentRequestsPerModelHighResolution"
+            target, suffix = variant.target_concurrency_per_instance, "concurrency-per-instance"
+        else:
+            metric = "SageMakerVariantInvocationsPerInstance"
+            target, suffix = float(variant.target_invocations_per_instance), "invocations-per-instance"
         self.scaling_policy = appscaling.CfnScalingPolicy(
             self,
-            "InvocationsPerInstance",
-            policy_name=f"{variant.endpoint_name}-invocations-per-instance",
+            "TargetTracking",
+            policy_name=f"{variant.endpoint_name}-{suffix}",
             policy_type="TargetTrackingScaling",
             scaling_target_id=self.scalable_target.ref,
             target_tracking_scaling_policy_configuration=appscaling.CfnScalingPolicy.TargetTrackingScalingPolicyConfigurationProperty(
-                target_value=float(variant.target_invocations_per_instance),
+                target_value=target,
                 predefined_metric_specification=appscaling.CfnScalingPolicy.PredefinedMetricSpecificationProperty(
-                    predefined_metric_type="SageMakerVariantInvocationsPerInstance"
+                    predefined_metric_type=metric
                 ),
                 scale_in_cooldown=variant.scale_in_cooldown_s,
                 scale_out_cooldown=variant.scale_out_cooldown_s,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from aws_cdk import Aws, CfnOutput, Fn, Stack
+from aws_cdk import Aws, CfnOutput, Fn, Stack, Tags
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
@@ -17,12 +17,13 @@ from stacks.config import (
     AppConfig,
     VariantConfig,
     container_environment,
+    cost_tags,
     deployed_image_parameter,
 )
-from stacks.deploy_time_build import DeployedImage, ImageBuild, ModelStaging, PostDeployCheck
+from stacks.deploy_time_build import BakeLoad, DeployedImage, ImageBuild, ModelStaging, PostDeployCheck
 from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
 from stacks.image_stack import ImageStack
-from stacks.monitoring import EndpointDashboard
+from stacks.monitoring import EndpointDashboard, unsubscribed
 
 # A small decision request, used in the printed invoke command.
 SAMPLE_DECISION = {
@@ -63,6 +64,9 @@ class EndpointStack(Stack):
     ) -> None:
         super().__init__(scope, construct_id, **kwargs)
         self.variant = variant
+        # Cost allocation (activate the keys in Billing to report by them).
+        for key, value in cost_tags(config, variant).items():
+            Tags.of(self).add(key, value)
         self.add_stack_dependency(image_stack, "builds the image and stages the model")
 
         self.staging: ModelStaging | None = None
@@ -76,16 +80,27 @@ class EndpointStack(Stack):
             model=model,
             environment=container_environment(variant, config.model),
             data_capture_bucket=image_stack.artifacts_bucket_name,
+            stack_tags=cost_tags(config, variant),
         )
         if image.guard is not None:  # the image is checked and protected before the model uses it
             self.endpoint.model.node.add_dependency(image.guard)
         self.dashboard = EndpointDashboard(self, "Monitoring", variant=variant, alarms=self.endpoint.alarms)
+        if variant.deployment.synthetic_load_per_minute:
+            self.bake_load = BakeLoad(
+                self,
+                "BakeLoad",
+                image_stack=image_stack,
+                endpoint_name=variant.endpoint_name,
+                endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
+                load_per_minute=variant.deployment.synthetic_load_per_minute,
+            )
         self.check = PostDeployCheck(
             self,
             "PostDeployCheck",
             image_stack=image_stack,
             endpoint_name=self.endpoint.endpoint.attr_endpoint_name,
             endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
+            rollback_alarms=[alarm.alarm_name for alarm in self.endpoint.alarms.rollback_alarms],
         )
         # Written only after the check passed (a rollback restores the previous value); the next
         # deploy reads it to keep an image pinned with `-c image_uri` (stacks/handlers/codebuild_job.py).
@@ -158,6 +173,18 @@ class EndpointStack(Stack):
             description="pinned (a -c image_uri deploy, kept until -c <variant>.image_source=build) or build",
         )
         CfnOutput(self, "ModelS3Uri", value=model.s3_uri, description="Model data (uncompressed S3 prefix)")
+        CfnOutput(
+            self,
+            "AlarmTopicArn",
+            value=self.endpoint.alarms.topic.topic_arn,
+            description="Every alarm of the endpoint notifies this SNS topic",
+        )
+        CfnOutput(
+            self,
+            "AlarmSubscribers",
+            value=self.variant.alarms.email or f"NONE: {unsubscribed(self.variant)}",
+            description="Who hears of an ALARM (-c <variant>.alarms.email)",
+        )
         CfnOutput(
             self,
             "InvokeCommand",

@@ -12,7 +12,7 @@ do not stop a delete, so ImageStack has termination protection: delete GpuStack 
 from __future__ import annotations
 
 import yaml
-from aws_cdk import Aws, CfnOutput, Duration, RemovalPolicy, Stack
+from aws_cdk import ArnFormat, Aws, CfnOutput, Duration, RemovalPolicy, Stack, Tags
 from aws_cdk import aws_codebuild as codebuild
 from aws_cdk import aws_ecr as ecr
 from aws_cdk import aws_events as events
@@ -35,6 +35,8 @@ from stacks.config import (
     AppConfig,
     ModelArtifact,
     VariantConfig,
+    cost_tags,
+    data_capture_prefix,
     deployed_image_parameter,
 )
 from stacks.handlers.build_states import FAILED_STATES
@@ -60,7 +62,10 @@ def artifacts_bucket_name(project: str) -> str:
 class ArtifactsStore(Construct):
     """The artifacts bucket (staged models, data capture) and the bucket receiving its access logs."""
 
-    def __init__(self, scope: Construct, construct_id: str, *, project: str) -> None:
+    def __init__(
+        self, scope: Construct, construct_id: str, *, project: str, captures: dict[str, int] | None = None
+    ) -> None:
+        """`captures`: data-capture prefix → days its objects are kept (they may hold prompts)."""
         super().__init__(scope, construct_id)
         self.access_logs = s3.Bucket(
             self,
@@ -98,7 +103,16 @@ class ArtifactsStore(Construct):
                 s3.LifecycleRule(
                     noncurrent_version_expiration=Duration.days(30),
                     abort_incomplete_multipart_upload_after=Duration.days(2),
-                )
+                ),
+                *[
+                    s3.LifecycleRule(
+                        id=f"expire-{prefix.strip('/').replace('/', '-')}",
+                        prefix=prefix,
+                        expiration=Duration.days(days),
+                        noncurrent_version_expiration=Duration.days(1),
+                    )
+                    for prefix, days in sorted((captures or {}).items())
+                ],
             ],
             removal_policy=RemovalPolicy.RETAIN,
         )
@@ -270,7 +284,8 @@ class BuildProjects(Construct):
         acknowledge(
             self.image,
             "AwsSolutions-IAM5[Resource::*]",
-            "ecr:GetAuthorizationToken (docker login) has no resource-level permissions.",
+            "ecr:GetAuthorizationToken (docker login) has no resource-level permissions; kms:Decrypt of the "
+            "bootstrap bucket's key (unknown at synth) is limited to S3 and to that bucket's objects.",
         )
 
 
@@ -335,6 +350,14 @@ class BuildProvider(Construct):
         project_arns = [projects.image.project_arn, projects.model.project_arn]
         on_event.add_to_role_policy(
             iam.PolicyStatement(sid="StartBuilds", actions=["codebuild:StartBuild"], resources=project_arns)
+        )
+        # A rolled-back or deleted image request stops the build it started (found by its wait handle).
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="StopAbandonedImageBuilds",
+                actions=["codebuild:ListBuildsForProject", "codebuild:BatchGetBuilds", "codebuild:StopBuild"],
+                resources=[projects.image.project_arn],
+            )
         )
         # Existing tag lookup, and the keep-<digest> tag on deployed images (BatchGetImage + PutImage).
         on_event.add_to_role_policy(
@@ -402,6 +425,7 @@ class BuildProvider(Construct):
                 ],
             )
         )
+        self._allow_parking(is_complete, endpoint_stacks)
         for function in (on_event, is_complete):
             grant_models_access(function, artifacts, write=False)
         provider_logs = logs.LogGroup(
@@ -464,6 +488,83 @@ class BuildProvider(Construct):
                 )
         self.service_token = self.provider.service_token
 
+    @staticmethod
+    def _allow_parking(function: lambda_.Function, endpoint_stacks: dict[str, VariantConfig]) -> None:
+        """A failing post-deploy check parks its endpoint on a copy of the previous config so that the
+        stack's rollback can finish (stacks/handlers/post_deploy_check.py): it reads that config,
+        creates `<endpoint>-parked-*`, updates the endpoint onto it and reads the rollback alarms."""
+        stack = Stack.of(function)
+
+        def arn(resource: str, name: str) -> str:
+            return stack.format_arn(service="sagemaker", resource=resource, resource_name=name)
+
+        endpoints = [variant.endpoint_name.lower() for variant in endpoint_stacks.values()]
+        parked = [arn("endpoint-config", f"{name}-parked-*") for name in endpoints]
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ReadPreviousConfigs",
+                actions=["sagemaker:DescribeEndpointConfig"],
+                resources=[arn("endpoint-config", "*")],
+            )
+        )
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="CreateParkedConfigs",
+                actions=["sagemaker:CreateEndpointConfig", "sagemaker:AddTags", "sagemaker:ListTags"],
+                resources=parked,
+            )
+        )
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ParkEndpoints",
+                actions=["sagemaker:UpdateEndpoint"],
+                resources=[arn("endpoint", name) for name in endpoints] + parked,
+            )
+        )
+        alarms = [
+            stack.format_arn(
+                service="cloudwatch",
+                resource="alarm",
+                resource_name=f"{name}-*",
+                arn_format=ArnFormat.COLON_RESOURCE_NAME,
+            )
+            for name in endpoint_stacks
+        ]
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ReadRollbackAlarms", actions=["cloudwatch:DescribeAlarms"], resources=alarms
+            )
+        )
+        # The caller of UpdateEndpoint must be allowed to use the config's volume key ("The KMS key
+        # policy must grant permission to the IAM role that you specify in your CreateEndpoint,
+        # UpdateEndpoint requests", CreateEndpointConfig KmsKeyId): through SageMaker only.
+        function.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="UseVolumeKeysThroughSageMaker",
+                actions=["kms:CreateGrant", "kms:DescribeKey"],
+                resources=["*"],
+                conditions={"StringEquals": {"kms:ViaService": f"sagemaker.{Aws.REGION}.amazonaws.com"}},
+            )
+        )
+        reason = (
+            "Parking an endpoint for a rollback: endpoint configs have generated names (read any, create "
+            "only <endpoint>-parked-*), alarm names end in a generated id, and the volume keys live in "
+            "the endpoint stacks (used only through SageMaker)."
+        )
+        for resource in [
+            "arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/*",
+            *[
+                f"arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/{n}-parked-*"
+                for n in endpoints
+            ],
+            *[
+                f"arn:<AWS::Partition>:cloudwatch:<AWS::Region>:<AWS::AccountId>:alarm:{n}-*"
+                for n in endpoint_stacks
+            ],
+            "*",
+        ]:
+            acknowledge(function, f"AwsSolutions-IAM5[Resource::{resource}]", reason)
+
 
 def inline_buildspec(name: str) -> codebuild.BuildSpec:
     """The buildspec from buildspec/<name>, inlined into the template so that `cdk diff` shows edits.
@@ -489,6 +590,21 @@ def grant_source_read(project: codebuild.Project, source: s3_assets.Asset) -> No
     )
     project.add_to_role_policy(
         iam.PolicyStatement(actions=["s3:GetBucketAcl", "s3:GetBucketLocation"], resources=[bucket_arn])
+    )
+    # A bootstrap bucket encrypted with a customer-managed key (`cdk bootstrap --bootstrap-kms-key-id`,
+    # `--bootstrap-customer-key`) needs kms:Decrypt to read the source. The key is not known at synth:
+    # allowed through S3 only, for objects of exactly this bucket (S3's encryption context is the
+    # bucket's or the object's ARN); without such a key the statement grants nothing.
+    project.add_to_role_policy(
+        iam.PolicyStatement(
+            sid="DecryptSourceWithBootstrapKey",
+            actions=["kms:Decrypt"],
+            resources=["*"],
+            conditions={
+                "StringEquals": {"kms:ViaService": f"s3.{Aws.REGION}.amazonaws.com"},
+                "StringLike": {"kms:EncryptionContext:aws:s3:arn": [bucket_arn, f"{bucket_arn}/*"]},
+            },
+        )
     )
 
 
@@ -530,8 +646,18 @@ class ImageStack(Stack):
         **kwargs,
     ) -> None:
         super().__init__(scope, construct_id, termination_protection=True, **kwargs)
+        for key, value in cost_tags(config).items():  # cost allocation
+            Tags.of(self).add(key, value)
         retention = retention_days(config.cpu.log_retention_days)
-        self.store = ArtifactsStore(self, "Store", project=config.project)
+        self.store = ArtifactsStore(
+            self,
+            "Store",
+            project=config.project,
+            captures={
+                data_capture_prefix(variant): variant.data_capture.retention_days
+                for variant in endpoint_stacks.values()
+            },
+        )
         self.artifacts = self.store.bucket
         self.artifacts_bucket_name = artifacts_bucket_name(config.project)
         self.repository = ImageRepository(self, "Images").repository

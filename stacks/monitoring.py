@@ -1,11 +1,13 @@
 """Alarms, their SNS topic, and the CloudWatch dashboard of one endpoint variant.
 
-Two alarms roll a deployment back: the 5xx *rate* (metric math over Invocations, so a background
+Three alarms roll a deployment back: the 5xx *rate* (metric math over Invocations, so a background
 error rate on a busy endpoint does not roll back every deploy, and a single error in a quiet minute
-does not either) and the model latency p90. The others notify only: the 4xx rate, the model error
-rate (InvocationModelErrors: any non-2xx answer, socket error or timeout), ModelSetupTime, memory
-and disk. SageMaker documents ModelSetupTime for serverless endpoints; on these instance-backed ones
-it may never be reported, and that alarm then stays OK (missing data is not breaching).
+does not either), the model latency p90, and the model-failure rate (InvocationModelErrors that are
+not 4xx answers: the container's 5xx, socket errors, timeouts). The others notify only: the 4xx
+rate, the model error rate (InvocationModelErrors: any non-2xx answer, socket error or timeout),
+ModelSetupTime, memory and disk. SageMaker documents ModelSetupTime for serverless endpoints; on
+these instance-backed ones it may never be reported, and that alarm then stays OK (missing data is
+not breaching).
 Every alarm sends ALARM and OK to the stack's SNS topic.
 
 The alarms' dimensions use the (stable, configured) endpoint name rather than a reference to the
@@ -15,7 +17,7 @@ would be a cycle.
 
 from __future__ import annotations
 
-from aws_cdk import Aws, Duration, RemovalPolicy
+from aws_cdk import Annotations, Aws, Duration, RemovalPolicy
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_cloudwatch_actions as cw_actions
 from aws_cdk import aws_iam as iam
@@ -127,6 +129,19 @@ class AlarmTopic(Construct):
                 protocol=sns.SubscriptionProtocol.EMAIL,
                 endpoint=variant.alarms.email,
             )
+        else:  # printed by `cdk synth` and `cdk deploy` (and kept in the assembly's metadata)
+            Annotations.of(self).add_warning_v2(
+                "decider:alarm-topic-without-subscriber", unsubscribed(variant)
+            )
+
+
+def unsubscribed(variant: VariantConfig) -> str:
+    """The warning for an alarm topic nobody reads."""
+    return (
+        f"the alarms of {variant.endpoint_name} notify an SNS topic without a subscriber: nobody hears of "
+        f"an ALARM. Set -c {variant.name}.alarms.email=ops@example.com (and confirm the e-mail), or "
+        "subscribe your own endpoint to the stack output AlarmTopicArn"
+    )
 
 
 class EndpointAlarms(Construct):
@@ -174,6 +189,32 @@ class EndpointAlarms(Construct):
             "got no 2xx from the container (any error status, socket error or timeout) in 2 of 3 minutes.",
             error_rate("InvocationModelErrors", variant, "model error rate (%)"),
             thresholds.model_error_rate_percent,
+            periods=3,
+            datapoints=2,
+        )
+        # InvocationModelErrors counts every non-2xx answer, 4xx included, and the container answers 4xx
+        # to invalid requests: a caller's bad input must not roll a deploy back. The rollback alarm
+        # counts the rest (the container's 5xx, socket errors, malformed answers, timeouts).
+        floor = thresholds.error_rate_min_invocations
+        self.model_failures = self._above(
+            "ModelFailureRate",
+            f"{name}: more than {thresholds.error_rate_percent:g} % of invocations failed in the model "
+            "container other than with a 4xx answer (5xx, socket errors, timeouts) in 2 of 3 minutes. Rolls "
+            "back a deployment in progress.",
+            cw.MathExpression(
+                expression=(
+                    f"IF(failure_invocations >= {floor} AND failure_errors > failure_client, "
+                    "100 * (failure_errors - failure_client) / failure_invocations, 0)"
+                ),
+                using_metrics={
+                    "failure_errors": invocation_metric("InvocationModelErrors", variant),
+                    "failure_client": invocation_metric("Invocation4XXErrors", variant),
+                    "failure_invocations": invocation_metric("Invocations", variant),
+                },
+                period=ONE_MINUTE,
+                label="model failure rate (%)",
+            ),
+            thresholds.error_rate_percent,
             periods=3,
             datapoints=2,
         )
@@ -232,7 +273,9 @@ class EndpointAlarms(Construct):
 
     @property
     def rollback_alarms(self) -> list[cw.Alarm]:
-        return [self.error_rate, self.latency]
+        """The alarms that roll a deployment back (SageMaker allows up to 10): the 5xx rate, the p90
+        latency, and the model-failure rate (model errors that are not 4xx answers)."""
+        return [self.error_rate, self.latency, self.model_failures]
 
 
 class EndpointDashboard(Construct):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, Validations
+from aws_cdk import Acknowledgment, Stack, Token, Validations
 from constructs import IConstruct
 
 
@@ -15,4 +15,17 @@ def acknowledge(scope: IConstruct, rule: str, reason: str) -> None:
     if len(reason) < 40:
         raise ValueError(f"acknowledging {rule} needs a specific reason, got {reason!r}")
     pack = rule.split("-", 1)[0]
-    Validations.of(scope).acknowledge(Acknowledgment(id=f"{pack}::{rule}", reason=reason))
+    rules = {rule}
+    # With `-c account=… -c region=…` the stacks are pinned and the findings name the literal values.
+    stack = Stack.of(scope)
+    pinned = rule
+    for placeholder, value in (
+        ("<AWS::AccountId>", stack.account),
+        ("<AWS::Region>", stack.region),
+        ("<AWS::Partition>", stack.partition),
+    ):
+        if not Token.is_unresolved(value):
+            pinned = pinned.replace(placeholder, value)
+    rules.add(pinned)
+    for name in sorted(rules):
+        Validations.of(scope).acknowledge(Acknowledgment(id=f"{pack}::{name}", reason=reason))

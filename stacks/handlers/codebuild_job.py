@@ -13,10 +13,13 @@
   URI), checked to exist and tagged `keep-<digest>` so that the ECR lifecycle never expires it.
 * `PostDeployCheck`: after the endpoint update, fail the deploy unless the endpoint runs this
   stack's config and answers a decision and a chat request (post_deploy_check.py).
+* `BakeLoad`: beside the endpoint update, a few synthetic decision requests a minute while it bakes,
+  so that the rollback alarms can judge a quiet canary (bake_load.py).
 
 CodeBuild refuses StartBuild with AccountLimitExceededException while the account's concurrent-build
 quota is used up (0 or 1 on many new accounts); `is_complete` then retries with exponential backoff
-for START_RETRY_MINUTES. Deleting a resource keeps what it built: live endpoints and rollbacks need it.
+for START_RETRY_MINUTES. Deleting a resource keeps what it built: live endpoints and rollbacks need
+it; an image build still running for a deleted or rolled-back request is stopped.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import boto3
 from botocore.exceptions import ClientError
 
 try:  # package import (tools, tests)
-    from . import image_retention, post_deploy_check, wait_signal
+    from . import bake_load, image_retention, post_deploy_check, wait_signal
     from .build_states import FAILED_STATES
 except ImportError:  # the Lambda asset's root
+    import bake_load  # type: ignore[no-redef]
     import image_retention  # type: ignore[no-redef]
     import post_deploy_check  # type: ignore[no-redef]
     import wait_signal  # type: ignore[no-redef]
@@ -107,6 +111,8 @@ def _physical_id(props: dict[str, Any]) -> str:
         return f"{_model_uri(props)}{props['File']}"
     if kind == "PostDeployCheck":
         return f"post-deploy-check:{props['EndpointName']}"
+    if kind == "BakeLoad":
+        return f"bake-load:{props['EndpointName']}"
     return f"deployed-image:{props.get('EndpointName', '')}"
 
 
@@ -295,6 +301,45 @@ def start_model(clients: Any, event: dict[str, Any], now: datetime) -> dict[str,
     return {"BuildId": build["id"]} if build else _pending(now)
 
 
+def deploy_builds_running(codebuild: Any, project: str, wait_handle: str) -> list[str]:
+    """Ids of the running builds of `project` that were started for the wait handle `wait_handle`."""
+    ids = codebuild.list_builds_for_project(projectName=project, sortOrder="DESCENDING").get("ids", [])
+    if not ids:
+        return []
+    running = []
+    for build in codebuild.batch_get_builds(ids=ids[:RECENT_BUILDS]).get("builds", []):
+        if build.get("buildStatus") != "IN_PROGRESS":
+            continue
+        variables = build.get("environment", {}).get("environmentVariables", [])
+        if any(v["name"] == "WAIT_HANDLE_URL" and v.get("value") == wait_handle for v in variables):
+            running.append(build["id"])
+    return running
+
+
+def stop_abandoned_builds(clients: Any, props: dict[str, Any]) -> list[str]:
+    """Stop the image build a deploy started and no longer waits for (its resource is rolled back or
+    deleted): a 2XLARGE CUDA build runs up to 100 min. Never fails the delete or rollback itself."""
+    codebuild = clients["codebuild"]
+    stopped = []
+    try:
+        for build_id in deploy_builds_running(codebuild, props["ProjectName"], props["WaitHandle"]):
+            codebuild.stop_build(id=build_id)
+            LOG.info("stopped image build %s: its deploy no longer waits for it", build_id)
+            stopped.append(build_id)
+    except ClientError as error:
+        LOG.warning("could not stop the abandoned image build of %s: %s", props.get("ImageTag"), error)
+    return stopped
+
+
+def recorded_source(ssm: Any, props: dict[str, Any]) -> str:
+    """How the forward path chose the image for these properties: `pinned` when an `-c image_uri`
+    deploy's record is kept (image_source=auto), else `build`. During a rollback the record is still
+    the one of the last successful deploy, the one the stack returns to."""
+    if props.get("ImageSource", "auto") == "auto" and pinned_image(ssm, props["DeployedImageParameter"]):
+        return "pinned"
+    return "build"
+
+
 def start_image(clients: Any, event: dict[str, Any], now: datetime) -> dict[str, Any]:
     props = event["ResourceProperties"]
     handle = props["WaitHandle"]
@@ -302,9 +347,17 @@ def start_image(clients: Any, event: dict[str, Any], now: datetime) -> dict[str,
         clients["cloudformation"], event["StackId"]
     ):
         # The rollback's Update carries the old properties, whose handle was signalled long ago:
-        # signalling it again could only fail the rollback itself.
-        LOG.info("stack is rolling back: keeping image %s, no build and no signal", props["ImageTag"])
-        return {"BuildId": "", "Source": "rollback"}
+        # signalling it again could only fail the rollback itself. The build the failed deploy
+        # started (if any) is stopped, and the source is the old one, so that the ImageSource output
+        # and the SSM record the stack returns to stay as they were (a pinned image stays pinned).
+        old = event.get("OldResourceProperties") or {}
+        if old.get("WaitHandle") and old["WaitHandle"] != handle:
+            stop_abandoned_builds(clients, {**props, **old})
+        source = recorded_source(clients["ssm"], props)
+        LOG.info(
+            "stack is rolling back: keeping image %s (%s), no build, no signal", props["ImageTag"], source
+        )
+        return {"BuildId": "", "Source": source}
     if props.get("ImageSource", "auto") == "auto":
         pinned = pinned_image(clients["ssm"], props["DeployedImageParameter"])
         if pinned:
@@ -411,9 +464,11 @@ def on_event(
         request,
         {k: v for k, v in props.items() if k not in {"ServiceToken", "Buildspec", "WaitHandle"}},
     )
-    if request == "Delete":
-        return {"PhysicalResourceId": event["PhysicalResourceId"]}
     clients = clients if clients is not None else Clients()
+    if request == "Delete":
+        if props.get("Kind") == "Image" and props.get("WaitHandle"):
+            stop_abandoned_builds(clients, props)
+        return {"PhysicalResourceId": event["PhysicalResourceId"]}
     now = now or datetime.now(UTC)
     kind = props["Kind"]
     if kind == "Model":
@@ -424,6 +479,8 @@ def on_event(
         data = deployed_image(clients, event)
     elif kind == "PostDeployCheck":
         data = post_deploy_check.start(clients, event, now)
+    elif kind == "BakeLoad":
+        data = bake_load.start(clients, event, now)
     else:
         raise ValueError(f"unknown job kind {kind!r}")
     return {"PhysicalResourceId": _physical_id(props), "Data": data}
@@ -442,6 +499,8 @@ def is_complete(
     kind = props["Kind"]
     if kind == "PostDeployCheck":
         return post_deploy_check.check(clients, props, data, now)
+    if kind == "BakeLoad":
+        return bake_load.check(clients, props, data, now)
     if kind == "DeployedImage":
         return {"IsComplete": True, "Data": data}
     build_id = data.get("BuildId", "")

@@ -7,6 +7,17 @@ CloudFormation counts the update as done. This check runs after the endpoint res
 the live EndpointConfigName with the stack's, then sends one decision and one chat request through
 sagemaker-runtime. A failure fails the custom resource, so CloudFormation rolls the stack back.
 
+A failed check must leave CloudFormation a rollback that can finish. CloudFormation rolls the
+Endpoint back with UpdateEndpoint(previous config, previous DeploymentConfig). That is refused when
+the endpoint already runs the previous config (SageMaker rolled it back itself: "To update an
+endpoint, you must create a new EndpointConfig"), and it is rolled back in turn when the rollback
+alarms are still in ALARM. So before it fails, the check *parks* the endpoint: it copies the previous
+config under a new name (`<endpoint>-parked-<hash>`, tagged for `promote prune`), moves the endpoint
+onto it with an all-at-once blue/green update without alarms (the previous image: the safe state),
+waits for the rollback alarms to leave ALARM, and only then fails. CloudFormation's rollback then
+moves the endpoint from the parked copy back to the previous config, which it can. A first deploy
+(Create) has no previous config and needs no parking: its rollback deletes the endpoint.
+
 During a rollback (the stack is in UPDATE_ROLLBACK_IN_PROGRESS, where CloudFormation sends this
 resource its old properties) nothing is checked: a failure there would leave the stack in
 UPDATE_ROLLBACK_FAILED.
@@ -14,9 +25,12 @@ UPDATE_ROLLBACK_FAILED.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
+
+from botocore.exceptions import ClientError
 
 try:  # package import (tools, tests)
     from . import smoke
@@ -27,6 +41,31 @@ LOG = logging.getLogger(__name__)
 
 # The first requests after an update may meet a warming instance: retry the smoke calls this long.
 SMOKE_RETRY_WINDOW = timedelta(minutes=5)
+# How long a failing check waits, after parking, for the rollback alarms to leave ALARM (counted from
+# the check's start; the provider gives up after 55 min).
+ALARM_SETTLE_DEADLINE = timedelta(minutes=45)
+ENDPOINT_TAG = "promote:endpoint"  # as stacks.config.ENDPOINT_TAG (a Lambda cannot import stacks)
+PARKED_TAG = "decider:parked-for"
+REASON_TAG = "decider:parked-because"  # the first failure, for the message the stack fails with
+MAX_TAG_VALUE = 256
+# The fields of a DescribeEndpointConfig answer that CreateEndpointConfig takes back.
+CONFIG_FIELDS = (
+    "ProductionVariants",
+    "DataCaptureConfig",
+    "KmsKeyId",
+    "AsyncInferenceConfig",
+    "ShadowProductionVariants",
+    "ExplainerConfig",
+    "ExecutionRoleArn",
+    "VpcConfig",
+    "EnableNetworkIsolation",
+)
+PARKING_DEPLOYMENT = {
+    "BlueGreenUpdatePolicy": {
+        "TrafficRoutingConfiguration": {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 0},
+        "TerminationWaitInSeconds": 0,
+    }
+}
 
 
 class PostDeployCheckError(RuntimeError):
@@ -40,28 +79,171 @@ def rolling_back(cloudformation: Any, stack_id: str) -> bool:
 
 
 def start(clients: Any, event: dict[str, Any], now: datetime | None = None) -> dict[str, Any]:
-    """onEvent: note the start time, or skip the whole check while the stack rolls back."""
+    """onEvent: note the start time and the config a rollback returns to, or skip the whole check
+    while the stack rolls back."""
     if rolling_back(clients["cloudformation"], event["StackId"]):
         LOG.info("stack is rolling back: not checking %s", event["ResourceProperties"]["EndpointName"])
         return {"Skipped": "rollback"}
-    return {"StartedAt": (now or datetime.now(UTC)).isoformat()}
+    data = {"StartedAt": (now or datetime.now(UTC)).isoformat()}
+    previous = (event.get("OldResourceProperties") or {}).get("EndpointConfigName")
+    if event["RequestType"] == "Update" and previous:
+        data["PreviousConfig"] = previous
+    return data
+
+
+def parking_config_name(endpoint_name: str, previous: str, failed: str) -> str:
+    """The copy of `previous` a failed deploy of `failed` parks the endpoint on (at most 63 characters)."""
+    digest = hashlib.sha256(f"{previous}|{failed}".encode()).hexdigest()[:10]
+    return f"{endpoint_name[:42]}-parked-{digest}"
+
+
+def _config_exists(sagemaker: Any, name: str) -> bool:
+    try:
+        sagemaker.describe_endpoint_config(EndpointConfigName=name)
+    except ClientError as error:
+        if error.response["Error"]["Code"] == "ValidationException":
+            return False
+        raise
+    return True
+
+
+def park(sagemaker: Any, endpoint_name: str, previous: str, parked: str, reason: str) -> None:
+    """Copy `previous` as `parked` (once) and move the endpoint onto it, all at once, without alarms."""
+    if not _config_exists(sagemaker, parked):
+        described = sagemaker.describe_endpoint_config(EndpointConfigName=previous)
+        copy = {key: described[key] for key in CONFIG_FIELDS if described.get(key) not in (None, [], {})}
+        sagemaker.create_endpoint_config(
+            EndpointConfigName=parked,
+            Tags=[
+                {"Key": ENDPOINT_TAG, "Value": endpoint_name},
+                {"Key": PARKED_TAG, "Value": previous},
+                {"Key": REASON_TAG, "Value": _tag_text(reason)},
+            ],
+            **copy,
+        )
+    sagemaker.update_endpoint(
+        EndpointName=endpoint_name,
+        EndpointConfigName=parked,
+        RetainAllVariantProperties=True,
+        DeploymentConfig=PARKING_DEPLOYMENT,
+    )
+    LOG.warning(
+        "parked %s on %s (a copy of %s) so that the stack's rollback can finish",
+        endpoint_name,
+        parked,
+        previous,
+    )
+
+
+def _tag_text(text: str) -> str:
+    """A tag value: at most 256 characters of letters, digits, spaces and `_.:/=+-@`."""
+    cleaned = "".join(c if c.isalnum() or c in " _.:/=+-@" else " " for c in text)
+    return cleaned[:MAX_TAG_VALUE]
+
+
+def parked_reason(sagemaker: Any, parked: str, default: str) -> str:
+    """Why the endpoint was parked (the first failure), from the parked config's tag."""
+    try:
+        arn = sagemaker.describe_endpoint_config(EndpointConfigName=parked)["EndpointConfigArn"]
+        tags = sagemaker.list_tags(ResourceArn=arn).get("Tags", [])
+    except ClientError as error:
+        LOG.warning("could not read why %s was parked: %s", parked, error)
+        return default
+    return next((t["Value"] for t in tags if t["Key"] == REASON_TAG), default)
+
+
+def alarms_in_alarm(cloudwatch: Any, names: list[str]) -> list[str]:
+    if not names:
+        return []
+    found = cloudwatch.describe_alarms(AlarmNames=names).get("MetricAlarms", [])
+    return [alarm["AlarmName"] for alarm in found if alarm.get("StateValue") == "ALARM"]
+
+
+def _fail(
+    clients: Any,
+    props: dict[str, Any],
+    data: dict[str, Any],
+    endpoint: dict[str, Any],
+    reason: str,
+    now: datetime,
+) -> dict[str, Any]:
+    """Park the endpoint on a copy of the previous config (when there is one), let the rollback
+    alarms settle, then raise `reason`: CloudFormation's rollback can then finish."""
+    previous = data.get("PreviousConfig")
+    if not previous:
+        raise PostDeployCheckError(reason)
+    name = props["EndpointName"]
+    parked = parking_config_name(name, previous, props["EndpointConfigName"])
+    live, status = endpoint["EndpointConfigName"], endpoint["EndpointStatus"]
+    pending = (endpoint.get("PendingDeploymentSummary") or {}).get("EndpointConfigName")
+    if status in ("Updating", "SystemUpdating") and parked in (pending, live):
+        LOG.info("%s moving to the parked config %s", name, parked)
+        return {"IsComplete": False}
+    if live != parked:
+        if status != "InService":
+            raise PostDeployCheckError(
+                f"{reason}; {name} is {status}, so it could not be parked for the rollback"
+            )
+        LOG.warning("%s; parking %s for the rollback", reason, name)
+        try:
+            park(clients["sagemaker"], name, previous, parked, reason)
+        except ClientError as error:  # fail now with both reasons: the rollback may need a hand
+            raise PostDeployCheckError(
+                f"{reason}; parking {name} on a copy of {previous} failed ({error}): if the stack's rollback "
+                "fails, see docs/deploy.md, 'Rollbacks that finish'"
+            ) from error
+        return {"IsComplete": False}
+    if status != "InService":
+        raise PostDeployCheckError(f"{reason}; parking {name} on {parked} left it {status}")
+    firing = alarms_in_alarm(clients["cloudwatch"], list(props.get("RollbackAlarms") or []))
+    if firing and now - datetime.fromisoformat(data["StartedAt"]) < ALARM_SETTLE_DEADLINE:
+        LOG.info("parked; waiting for %s to leave ALARM before the stack rolls back", ", ".join(firing))
+        return {"IsComplete": False}
+    reason = parked_reason(clients["sagemaker"], parked, reason)
+    still = (
+        f" ({', '.join(firing)} still in ALARM: the rollback's blue/green may be rolled back too)"
+        if firing
+        else ""
+    )
+    raise PostDeployCheckError(
+        f"{reason}. {name} is parked on {parked} (a copy of {previous}); CloudFormation's rollback returns "
+        f"it to {previous}{still}"
+    )
 
 
 def check(
     clients: Any, props: dict[str, Any], data: dict[str, Any], now: datetime | None = None
 ) -> dict[str, Any]:
-    """isComplete: raise at once on a config mismatch; retry failing smoke calls for a while."""
+    """isComplete: a config mismatch or smoke calls failing past their retry window fail the deploy,
+    after parking the endpoint so that the stack's rollback can finish."""
     if data.get("Skipped"):
         return {"IsComplete": True, "Data": {"Result": f"skipped ({data['Skipped']})"}}
+    now = now or datetime.now(UTC)
     endpoint_name, expected = props["EndpointName"], props["EndpointConfigName"]
     endpoint = clients["sagemaker"].describe_endpoint(EndpointName=endpoint_name)
     live, status = endpoint["EndpointConfigName"], endpoint["EndpointStatus"]
+    previous = data.get("PreviousConfig")
+    parked = parking_config_name(endpoint_name, previous, expected) if previous else None
+    pending = (endpoint.get("PendingDeploymentSummary") or {}).get("EndpointConfigName")
+    if parked is not None and parked in (live, pending):  # a failure parked it: finish that
+        reason = f"{endpoint_name} failed the post-deploy check of {expected}"
+        return _fail(clients, props, data, endpoint, reason, now)
     if live != expected:
         reason = endpoint.get("FailureReason") or "no FailureReason given"
-        raise PostDeployCheckError(
-            f"{endpoint_name} runs endpoint config {live}, not this deploy's {expected} (status {status}; "
-            f"{reason}): SageMaker rolled the update back, so this deploy fails and CloudFormation rolls "
-            "the stack back too"
+        if live != previous:
+            raise PostDeployCheckError(
+                f"{endpoint_name} runs endpoint config {live}, neither this deploy's {expected} nor the "
+                f"previous {previous} (status {status}; {reason}): changed outside the stack"
+            )
+        return _fail(
+            clients,
+            props,
+            data,
+            endpoint,
+            f"SageMaker rolled the update back: {endpoint_name} runs endpoint config {live}, not this "
+            f"deploy's {expected} (status {status}; {reason}), so this deploy fails and CloudFormation "
+            "rolls the stack back too",
+            now,
         )
     if status != "InService":
         raise PostDeployCheckError(f"{endpoint_name} is {status}, not InService")
@@ -71,7 +253,14 @@ def check(
         LOG.info("post-deploy check passed: %s", summary)
         return {"IsComplete": True, "Data": {"Result": summary[:1000]}}
     started = datetime.fromisoformat(data["StartedAt"])
-    if (now or datetime.now(UTC)) - started < SMOKE_RETRY_WINDOW:
+    if now - started < SMOKE_RETRY_WINDOW:
         LOG.warning("smoke calls failed, retrying: %s", summary)
         return {"IsComplete": False}
-    raise PostDeployCheckError(f"smoke calls on {endpoint_name} failed for {SMOKE_RETRY_WINDOW}: {summary}")
+    return _fail(
+        clients,
+        props,
+        data,
+        endpoint,
+        f"smoke calls on {endpoint_name} failed for {SMOKE_RETRY_WINDOW}: {summary}",
+        now,
+    )

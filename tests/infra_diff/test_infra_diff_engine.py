@@ -259,3 +259,38 @@ def test_the_three_steps_themselves_do_not_warn():
     assert not diff_templates(
         {"S": step_3}, {"S": _with_autoscaling(_stack(image=IMAGE_B, instance_type="ml.c7i.8xlarge"))}
     ).warnings
+
+
+def test_an_endpoint_change_under_the_same_config_warns():
+    """UpdateEndpoint needs a new EndpointConfig: a DeploymentConfig-only change cannot deploy."""
+    old, new = _stack(), _stack()
+    new["Resources"]["Endpoint"]["Properties"]["DeploymentConfig"]["BlueGreenUpdatePolicy"] = {
+        "TerminationWaitInSeconds": 600
+    }
+    [warning] = diff_templates({"CpuStack": old}, {"CpuStack": new}).warnings
+    assert (warning.logical_id, warning.code) == ("Endpoint", "endpoint_update_without_new_config")
+    assert "DeploymentConfig" in warning.message
+    # with a new config (here: a new image), the same change deploys
+    newer = _stack(image=IMAGE_B)
+    newer["Resources"]["Endpoint"]["Properties"]["DeploymentConfig"] = new["Resources"]["Endpoint"][
+        "Properties"
+    ]["DeploymentConfig"]
+    assert diff_templates({"CpuStack": old}, {"CpuStack": newer}).warnings == []
+
+
+def test_a_changed_request_beside_the_same_wait_handle_and_a_changed_service_token_warn():
+    def with_build(compute: str, token: str) -> dict:
+        template = _stack()
+        template["Resources"]["Handle"] = {"Type": "AWS::CloudFormation::WaitConditionHandle"}
+        template["Resources"]["Build"] = {
+            "Type": "Custom::ImageBuild",
+            "Properties": {"ServiceToken": token, "ComputeType": compute, "WaitHandle": {"Ref": "Handle"}},
+        }
+        return template
+
+    report = diff_templates({"S": with_build("LARGE", "t1")}, {"S": with_build("2XLARGE", "t2")})
+    assert sorted(w.code for w in report.warnings) == ["service_token_changed", "wait_handle_reused"]
+    renamed = with_build("2XLARGE", "t1")
+    renamed["Resources"]["Handle2"] = renamed["Resources"].pop("Handle")
+    renamed["Resources"]["Build"]["Properties"]["WaitHandle"] = {"Ref": "Handle2"}
+    assert diff_templates({"S": with_build("LARGE", "t1")}, {"S": renamed}).warnings == []

@@ -17,7 +17,7 @@ from tools.preflight import checks, cli
 
 ACCOUNT, REGION = "123456789012", "eu-west-1"
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-SERVICES = ("service-quotas", "sagemaker", "ssm", "cloudformation", "s3", "sts")
+SERVICES = ("service-quotas", "sagemaker", "ssm", "cloudformation", "s3", "sts", "logs", "cloudwatch")
 
 
 @pytest.fixture
@@ -79,16 +79,34 @@ def no_endpoints(aws) -> None:
     aws["sagemaker"].add_response("list_endpoints", {"Endpoints": []})
 
 
-def fresh_names(aws) -> None:
+def fresh_names(aws, names: tuple[str, ...] = ("decider-cpu", "decider-gpu")) -> None:
     no_stack(aws, "ImageStack")
     aws["s3"].add_client_error("head_bucket", "404", http_status_code=404)
-    for name in ("decider-cpu", "decider-gpu"):
+    for name in names:
         aws["sagemaker"].add_client_error(
             "describe_endpoint",
             "ValidationException",
             f"Could not find endpoint {name}",
             expected_params={"EndpointName": name},
         )
+    no_log_groups(aws, names)
+    for name in names:  # the load check before an update: no endpoint yet
+        no_endpoint(aws, name)
+
+
+def no_endpoint(aws, name: str) -> None:
+    aws["sagemaker"].add_client_error(
+        "describe_endpoint",
+        "ValidationException",
+        f"Could not find endpoint {name}",
+        expected_params={"EndpointName": name},
+    )
+
+
+def no_log_groups(aws, names: tuple[str, ...] = ("decider-cpu", "decider-gpu")) -> None:
+    for name in names:
+        prefix = f"/aws/sagemaker/Endpoints/{name}"
+        aws["logs"].add_response("describe_log_groups", {"logGroups": []}, {"logGroupNamePrefix": prefix})
 
 
 CODEBUILD_OK = {
@@ -185,6 +203,8 @@ def test_other_endpoints_on_the_same_type_count_against_the_quota(aws, capsys):
     no_stack(aws, "ImageStack")
     aws["s3"].add_client_error("head_bucket", "404", http_status_code=404)
     aws["sagemaker"].add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint")
+    no_log_groups(aws, ("decider-cpu",))
+    no_endpoint(aws, "decider-cpu")
     assert cli.main(["--variant", "cpu"], clients=aws["clients"]) == cli.EXIT_MISSING
     out = " ".join(capsys.readouterr().out.split())
     assert "8 < 11" in out and "8 at the blue/green peak + 3 in use elsewhere" in out
@@ -209,6 +229,8 @@ def test_leftovers_of_an_earlier_install_block_a_fresh_deploy(aws, capsys):
         },
     )
     aws["sagemaker"].add_response("list_tags", {"Tags": []})
+    no_log_groups(aws, ("decider-cpu",))
+    no_endpoint(aws, "decider-cpu")  # (as it is gone by the time the load is read)
     assert cli.main(["--variant", "cpu"], clients=aws["clients"]) == cli.EXIT_MISSING
     out = " ".join(capsys.readouterr().out.split())
     assert f"s3://decider-artifacts-{ACCOUNT}-{REGION} exists" in out
@@ -302,3 +324,100 @@ def test_instances_of_other_endpoints_instance_pools_are_counted_per_type(aws):
     )
     usage = checks.other_usage(aws["clients"]["sagemaker"], {"decider-cpu", "decider-gpu"})
     assert usage == {"ml.g6e.xlarge": 2, "ml.g5.xlarge": 1}
+
+
+def test_a_leftover_endpoint_log_group_blocks_the_stack_and_says_what_to_do(aws, capsys):
+    """A fixed-name group from a manual test or a deleted stack: CpuStack's creation would fail."""
+    bootstrapped(aws)
+    quotas(aws, "sagemaker", {"ml.c7i.8xlarge for endpoint usage": 8})
+    no_endpoints(aws)
+    quotas(aws, "codebuild", CODEBUILD_OK)
+    no_stack(aws, "ImageStack")
+    aws["s3"].add_client_error("head_bucket", "404", http_status_code=404)
+    aws["sagemaker"].add_client_error(
+        "describe_endpoint", "ValidationException", "Could not find endpoint decider-cpu"
+    )
+    group = "/aws/sagemaker/Endpoints/decider-cpu"
+    aws["logs"].add_response(
+        "describe_log_groups",
+        {"logGroups": [{"logGroupName": group}, {"logGroupName": group + "-old"}]},
+        {"logGroupNamePrefix": group},
+    )
+    no_stack(aws, "CpuStack")
+    no_endpoint(aws, "decider-cpu")
+    assert cli.main(["--variant", "cpu", "--json"], clients=aws["clients"]) == cli.EXIT_MISSING
+    finding = {f["check"]: f for f in json.loads(capsys.readouterr().out)["findings"]}[f"log group {group}"]
+    assert finding["status"] == "missing" and "already exists" in finding["detail"]
+    assert f"aws logs delete-log-group --log-group-name {group} --region {REGION}" in finding["fix"]
+
+
+def test_the_stacks_own_log_group_is_fine(aws):
+    target = checks.Target(
+        load_config(cdk_json_context()), (load_config(cdk_json_context()).cpu,), REGION, ACCOUNT
+    )
+    group = "/aws/sagemaker/Endpoints/decider-cpu"
+    aws["logs"].add_response(
+        "describe_log_groups", {"logGroups": [{"logGroupName": group}]}, {"logGroupNamePrefix": group}
+    )
+    aws["cloudformation"].add_response(
+        "describe_stacks",
+        {"Stacks": [{"StackName": "CpuStack", "StackStatus": "UPDATE_COMPLETE", "CreationTime": NOW}]},
+        {"StackName": "CpuStack"},
+    )
+    [finding] = checks.log_groups(aws["clients"]["logs"], aws["clients"]["cloudformation"], target)
+    assert finding.status == "ok" and "CpuStack exists" in finding.detail
+    aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)
+
+
+def test_a_compute_type_codebuild_does_not_offer_in_the_region_blocks(aws, capsys):
+    bootstrapped(aws)
+    quotas(aws, "sagemaker", {"ml.c7i.8xlarge for endpoint usage": 8, "ml.g6.xlarge for endpoint usage": 6})
+    no_endpoints(aws)
+    offered = {k: v for k, v in CODEBUILD_OK.items() if "2XLarge" not in k}
+    quotas(aws, "codebuild", offered)
+    fresh_names(aws)
+    assert cli.main(["--json"], clients=aws["clients"]) == cli.EXIT_MISSING
+    build = {f["check"]: f for f in json.loads(capsys.readouterr().out)["findings"]}[
+        "CodeBuild Linux/2XLarge concurrent builds"
+    ]
+    assert build["status"] == "missing"
+    assert f"CodeBuild offers no BUILD_GENERAL1_2XLARGE in {REGION}" in build["detail"]
+    assert "-c gpu.image_build.compute_type=BUILD_GENERAL1_XLARGE" in build["fix"]
+    assert "-c gpu.image_uri=<repo>@sha256:<digest>" in build["fix"]
+
+
+def _live(aws, count: int, invocations_per_minute: float) -> None:
+    aws["sagemaker"].add_response(
+        "describe_endpoint",
+        {
+            "EndpointName": "decider-cpu",
+            "EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/decider-cpu",
+            "EndpointConfigName": "DeciderConfig-1",
+            "EndpointStatus": "InService",
+            "CreationTime": NOW,
+            "LastModifiedTime": NOW,
+            "ProductionVariants": [{"VariantName": "AllTraffic", "CurrentInstanceCount": count}],
+        },
+        {"EndpointName": "decider-cpu"},
+    )
+    aws["cloudwatch"].add_response(
+        "get_metric_statistics",
+        {"Datapoints": [{"Sum": invocations_per_minute, "Timestamp": NOW}] * 15},
+    )
+
+
+@pytest.mark.parametrize(
+    ("count", "per_minute", "status"),
+    [(2, 12.0, "warning"), (2, 4.0, "ok"), (4, 40.0, "ok")],  # target 10 a minute per instance
+)
+def test_a_deploy_at_a_low_instance_count_under_load_warns(aws, count, per_minute, status):
+    config = load_config(cdk_json_context())
+    target = checks.Target(config, (config.cpu,), REGION, ACCOUNT)
+    _live(aws, count, per_minute)
+    [finding] = checks.frozen_scaling(aws["clients"]["sagemaker"], aws["clients"]["cloudwatch"], target, NOW)
+    assert finding.status == status and not finding.blocking
+    assert f"{count} of at most 4 instances" in finding.detail
+    if status == "warning":
+        assert "autoscaling cannot add instances during the update" in finding.detail
+        assert "--min-capacity 4" in finding.fix and "--min-capacity 2 after the deploy" in finding.fix
+    aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)

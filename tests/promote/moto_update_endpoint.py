@@ -41,12 +41,16 @@ class _Pending:
 @dataclass
 class UpdateSimulator:
     polls_until_done: int = 2
+    # SageMaker refuses an update to the config the endpoint already runs ("To update an endpoint,
+    # you must create a new EndpointConfig"); on for the stacks' rollback scenarios.
+    refuse_same_config: bool = False
     during_update: list[Callable[[SageMakerModelBackend, str], None]] = field(default_factory=list)
     update_calls: list[dict[str, Any]] = field(default_factory=list)
     _pending: dict[str, _Pending] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.polls_until_done = 2
+        self.refuse_same_config = False
         self.during_update.clear()
         self.update_calls.clear()
         self._pending.clear()
@@ -58,6 +62,10 @@ class UpdateSimulator:
         if endpoint.endpoint_status != "InService":
             raise ValidationError(message=f'Cannot update in-progress endpoint "{endpoint.arn}".')
         backend.describe_endpoint_config(config)  # ValidationError when missing
+        if self.refuse_same_config and endpoint.endpoint_config_name == config:
+            raise ValidationError(
+                message=f'Endpoint "{endpoint.arn}" already runs endpoint config "{config}".'
+            )
         self.update_calls.append(
             {"EndpointName": name, "EndpointConfigName": config, "DeploymentConfig": deployment}
         )
@@ -127,7 +135,11 @@ def install() -> None:
 
     def describe_endpoint(self: SageMakerModelBackend, endpoint_name: str) -> dict[str, Any]:
         SIMULATOR.advance(self, endpoint_name)
-        return original_describe(self, endpoint_name)
+        described = original_describe(self, endpoint_name)
+        pending = getattr(self.endpoints.get(endpoint_name), "pending_deployment_summary", None)
+        if pending and isinstance(described, dict):  # as SageMaker reports an update in progress
+            described = {**described, "PendingDeploymentSummary": pending}
+        return described
 
     SageMakerResponse.update_endpoint = update_endpoint  # type: ignore[attr-defined]
     SageMakerModelBackend.describe_endpoint = describe_endpoint  # type: ignore[method-assign]

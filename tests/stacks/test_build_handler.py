@@ -220,12 +220,70 @@ def test_existing_tag_is_reused_and_signalled_without_a_build(aws, handle):
     assert done == {"IsComplete": True, "Data": {"BuildId": "", "Source": "build"}}
 
 
-def test_a_rollback_s_update_neither_builds_nor_signals_the_old_handle(aws, handle):
+def _record(aws, source: str | None) -> None:
+    if source is None:
+        aws["ssm"].add_client_error("get_parameter", "ParameterNotFound", expected_params={"Name": PARAMETER})
+        return
+    image = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/ci-images@sha256:{'c' * 64}"
+    value = json.dumps({"image_uri": image, "source": source})
+    aws["ssm"].add_response(
+        "get_parameter",
+        {"Parameter": {"Name": PARAMETER, "Value": value}},
+        expected_params={"Name": PARAMETER},
+    )
+
+
+@pytest.mark.parametrize(("record", "source"), [(None, "build"), ("build", "build"), ("pinned", "pinned")])
+def test_a_rollback_s_update_neither_builds_nor_signals_and_keeps_the_source(aws, handle, record, source):
+    """The rollback's Update carries the old properties: their handle was signalled long ago. The
+    source it reports is the one of the deploy the stack returns to (from the SSM record, which the
+    failed deploy never wrote), so `ImageSource` and the record stay `pinned` when they were."""
     stack_status(aws, "UPDATE_ROLLBACK_IN_PROGRESS")
+    _record(aws, record)
     update = event("Update", image_props(handle.url), PhysicalResourceId="old", StackId=STACK_ID)
-    started = job.on_event(update, clients=aws["clients"])  # no SSM, ECR or CodeBuild call expected
-    assert started["Data"] == {"BuildId": "", "Source": "rollback"}
+    started = job.on_event(update, clients=aws["clients"])  # no ECR or CodeBuild call expected
+    assert started["Data"] == {"BuildId": "", "Source": source}
     assert handle.signals == []
+
+
+def _running_build(aws, build_id: str, wait_handle: str, status: str = "IN_PROGRESS") -> None:
+    aws["codebuild"].add_response(
+        "list_builds_for_project",
+        {"ids": [build_id, "ImageBuild:old"]},
+        expected_params={"projectName": "ImageBuild", "sortOrder": "DESCENDING"},
+    )
+    aws["codebuild"].add_response(
+        "batch_get_builds",
+        {
+            "builds": [
+                {
+                    "id": build_id,
+                    "buildStatus": status,
+                    "environment": environment(WAIT_HANDLE_URL=wait_handle),
+                },
+                {"id": "ImageBuild:old", "buildStatus": "SUCCEEDED", "environment": environment()},
+            ]
+        },
+        expected_params={"ids": [build_id, "ImageBuild:old"]},
+    )
+
+
+def test_a_rollback_stops_the_build_the_failed_deploy_started(aws, handle):
+    """CloudFormation rolls back while the new build runs (a 2XLARGE CUDA build: up to 100 min)."""
+    stack_status(aws, "UPDATE_ROLLBACK_IN_PROGRESS")
+    new_handle = handle.url + "&new=1"
+    _running_build(aws, "ImageBuild:new", new_handle)
+    aws["codebuild"].add_response("stop_build", {}, expected_params={"id": "ImageBuild:new"})
+    _record(aws, None)
+    update = event(
+        "Update",
+        image_props(handle.url),
+        PhysicalResourceId="old",
+        StackId=STACK_ID,
+        OldResourceProperties=image_props(new_handle),
+    )
+    assert job.on_event(update, clients=aws["clients"])["Data"] == {"BuildId": "", "Source": "build"}
+    aws["codebuild"].assert_no_pending_responses()
 
 
 def test_an_image_pinned_by_the_last_deploy_is_kept_without_building(aws, handle):
@@ -480,10 +538,25 @@ def test_build_past_queue_timeout_and_grace_is_stopped_and_fails(aws):
         job.check_build(aws["clients"], MODEL_PROPS, "ModelStaging:1234", now=late)
 
 
-def test_delete_keeps_images_and_models(aws, handle):
-    result = job.on_event(event("Delete", image_props(handle.url), PhysicalResourceId="keep-me"), clients={})
+def test_delete_keeps_images_and_models_and_stops_a_running_build(aws, handle):
+    _running_build(aws, "ImageBuild:7", handle.url)
+    aws["codebuild"].add_response("stop_build", {}, expected_params={"id": "ImageBuild:7"})
+    deleted = event("Delete", image_props(handle.url), PhysicalResourceId="keep-me")
+    result = job.on_event(deleted, clients=aws["clients"])
     assert result == {"PhysicalResourceId": "keep-me"}
+    aws["codebuild"].assert_no_pending_responses()
+    assert job.on_event(event("Delete", MODEL_PROPS, PhysicalResourceId="m"), clients={}) == {
+        "PhysicalResourceId": "m"
+    }
     assert job.is_complete(event("Delete", MODEL_PROPS, PhysicalResourceId="keep-me")) == {"IsComplete": True}
+
+
+def test_a_delete_whose_build_ended_stops_nothing_and_a_refusal_does_not_fail_it(aws, handle):
+    _running_build(aws, "ImageBuild:7", handle.url, status="SUCCEEDED")
+    deleted = event("Delete", image_props(handle.url), PhysicalResourceId="keep-me")
+    assert job.on_event(deleted, clients=aws["clients"]) == {"PhysicalResourceId": "keep-me"}
+    aws["codebuild"].add_client_error("list_builds_for_project", "AccessDeniedException")
+    assert job.on_event(deleted, clients=aws["clients"]) == {"PhysicalResourceId": "keep-me"}
 
 
 def test_the_staging_budget_fits_the_custom_resource_ceiling():

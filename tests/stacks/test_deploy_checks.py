@@ -311,3 +311,79 @@ def test_signals_refuse_urls_that_are_not_presigned_https():
         wait_signal.send_signal("file:///etc/passwd", "SUCCESS", "x")
     with pytest.raises(ValueError, match="SUCCESS or FAILURE"):
         wait_signal.signal_body("MAYBE", "x", "")
+
+
+# --- synthetic load while an update bakes -------------------------------------------------------------
+
+LOAD_PROPS = {
+    "ServiceToken": SERVICE_TOKEN,
+    "Kind": "BakeLoad",
+    "EndpointName": "decider-cpu",
+    "EndpointConfigName": "DeciderConfig-NEW",
+    "LoadPerMinute": "12",
+}
+
+
+def synthetic_requests(aws: dict[str, Any], count: int, *, fail: bool = False) -> None:
+    for _ in range(count):
+        expected = {
+            "EndpointName": "decider-cpu",
+            "ContentType": "application/json",
+            "Accept": "application/json",
+            "CustomAttributes": "route=/v1/systemone",
+            "Body": json.dumps(DECISION_REQUEST).encode(),
+        }
+        if fail:
+            aws["sagemaker-runtime"].add_client_error(
+                "invoke_endpoint", "ModelError", expected_params=expected
+            )
+        else:
+            aws["sagemaker-runtime"].add_response(
+                "invoke_endpoint", {"Body": body(DECISION_OK), "ContentType": "application/json"}, expected
+            )
+
+
+def test_a_quiet_canary_gets_synthetic_load_while_the_update_bakes(aws):
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    started = codebuild_job.on_event(event("Update", LOAD_PROPS), clients=aws["clients"], now=NOW)
+    assert started["PhysicalResourceId"] == "bake-load:decider-cpu"
+    polled = {**started}
+
+    def poll(minutes: float) -> dict[str, Any]:
+        return codebuild_job.is_complete(
+            event("Update", LOAD_PROPS, **polled),
+            clients=aws["clients"],
+            now=NOW + timedelta(minutes=minutes),
+        )
+
+    endpoint(aws, "DeciderConfig-OLD")  # CloudFormation has not called UpdateEndpoint yet: wait
+    assert poll(0.5) == {"IsComplete": False}
+    endpoint(aws, "DeciderConfig-OLD", status="Updating")
+    synthetic_requests(aws, 6)  # half a minute of 12 a minute: ≥ the alarms' 10 invocations a minute
+    assert poll(1) == {"IsComplete": False}
+    endpoint(aws, "DeciderConfig-OLD", status="Updating")
+    synthetic_requests(aws, 6, fail=True)  # a broken canary: the alarms count these, the load goes on
+    assert poll(1.5) == {"IsComplete": False}
+    endpoint(aws, "DeciderConfig-NEW")
+    assert poll(20)["IsComplete"] is True
+
+
+def test_no_load_on_create_or_rollback_and_never_past_the_providers_limit(aws):
+    created = codebuild_job.on_event(event("Create", LOAD_PROPS), clients=aws["clients"], now=NOW)
+    assert codebuild_job.is_complete(event("Create", LOAD_PROPS, **created), clients=aws["clients"])[
+        "IsComplete"
+    ]
+    stack_status(aws, "UPDATE_ROLLBACK_IN_PROGRESS")
+    rolled = codebuild_job.on_event(event("Update", LOAD_PROPS), clients=aws["clients"], now=NOW)
+    assert rolled["Data"] == {"Skipped": "rollback"}
+    data = {"StartedAt": NOW.isoformat()}
+    endpoint(aws, "DeciderConfig-OLD", status="Updating")
+    late = NOW + timedelta(minutes=51)
+    done = codebuild_job.is_complete(event("Update", LOAD_PROPS, Data=data), clients=aws["clients"], now=late)
+    assert done == {"IsComplete": True, "Data": {"Result": "gave up (update still running)"}}
+    endpoint(aws, "DeciderConfig-OLD")  # never began within the grace: done, nothing sent
+    after_grace = NOW + timedelta(minutes=6)
+    done = codebuild_job.is_complete(
+        event("Update", LOAD_PROPS, Data=data), clients=aws["clients"], now=after_grace
+    )
+    assert done["IsComplete"] is True

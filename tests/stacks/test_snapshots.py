@@ -102,7 +102,4 @@ def test_container_change_rebuilds_only_the_image_and_copies_do_not(synth, tmp_p
         old_tag = before["Resources"][build_id]["Properties"]["ImageTag"]
         new_tag = after["Resources"][build_id]["Properties"]["ImageTag"]
         assert new_tag != old_tag
-        if stack == "CpuStack":
-            assert new_tag == f"cpu-{new_hash}"
-        else:  # folded with the CUDA architectures
-            assert new_tag.startswith("cuda-") and new_tag != f"cuda-{new_hash}"
+        assert new_tag.startswith("cpu-" if stack == "CpuStack" else "cuda-")

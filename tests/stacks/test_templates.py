@@ -14,7 +14,7 @@ from stack_helpers import STACKS, only, resources
 
 from stacks import config as app_config
 from stacks.config import container_environment
-from stacks.deploy_time_build import build_inputs_id
+from stacks.deploy_time_build import image_tag
 
 pytestmark = pytest.mark.cdk
 
@@ -40,10 +40,11 @@ EXPECTED_RESOURCES = {
         "AWS::CloudFormation::WaitCondition": 1,
         "Custom::DeployedImage": 1,
         "Custom::PostDeployCheck": 1,
+        "Custom::BakeLoad": 1,
         "AWS::SSM::Parameter": 1,
         "AWS::IAM::Role": 1,
         "AWS::IAM::Policy": 1,
-        "AWS::KMS::Key": 2,  # the ML volume and the alarm topic
+        "AWS::KMS::Key": 3,  # the ML volume, the alarm topic and the endpoint's log group
         "AWS::SNS::Topic": 1,
         "AWS::SNS::TopicPolicy": 1,
         "AWS::Logs::LogGroup": 1,
@@ -52,12 +53,12 @@ EXPECTED_RESOURCES = {
         "AWS::SageMaker::Endpoint": 1,
         "AWS::ApplicationAutoScaling::ScalableTarget": 1,
         "AWS::ApplicationAutoScaling::ScalingPolicy": 1,
-        "AWS::CloudWatch::Alarm": 7,
+        "AWS::CloudWatch::Alarm": 8,
         "AWS::CloudWatch::Dashboard": 1,
     },
 }
 # The GPU stack is the CPU stack minus the volume key (NVMe instance storage).
-EXPECTED_RESOURCES["GpuStack"] = {**EXPECTED_RESOURCES["CpuStack"], "AWS::KMS::Key": 1}
+EXPECTED_RESOURCES["GpuStack"] = {**EXPECTED_RESOURCES["CpuStack"], "AWS::KMS::Key": 2}
 
 
 def _listify(value):
@@ -202,7 +203,17 @@ def _actions(statements) -> set[str]:
 def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
     template = synth.templates["ImageStack"]
     assert "ecr:DescribeImages" in _actions(_policy(template, "/Builds/ImageBuild/Role/"))
-    aws_calls = ("codebuild:", "ecr:", "ssm:", "cloudformation:", "sagemaker:")
+    # a bootstrap bucket with a customer-managed key: decrypt through S3, for that bucket only
+    decrypt = next(
+        s
+        for s in _policy(template, "/Builds/ImageBuild/Role/")
+        if s.get("Sid") == "DecryptSourceWithBootstrapKey"
+    )
+    assert decrypt["Action"] == "kms:Decrypt" and decrypt["Resource"] == "*"
+    assert set(decrypt["Condition"]) == {"StringEquals", "StringLike"}
+    context = json.dumps(decrypt["Condition"]["StringLike"]["kms:EncryptionContext:aws:s3:arn"])
+    assert "cdk-hnb659fds-assets-" in context and "/*" in context
+    aws_calls = ("codebuild:", "ecr:", "ssm:", "cloudformation:", "sagemaker:", "cloudwatch:", "kms:")
     on_event = _policy(template, "/BuildRunner/OnEvent/")
     is_complete = _policy(template, "/BuildRunner/IsComplete/")
     assert {a for a in _actions(on_event) if a.startswith(aws_calls)} == {
@@ -212,7 +223,16 @@ def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
         "ecr:PutImage",  # … and put it again under the new tag
         "ssm:GetParameter",  # the deployed-image record
         "cloudformation:DescribeStacks",  # the post-deploy check skips rollbacks
+        # a rolled-back or deleted image request stops the build it started (by its wait handle)
+        "codebuild:ListBuildsForProject",
+        "codebuild:BatchGetBuilds",
+        "codebuild:StopBuild",
     }
+    abandoned = next(s for s in on_event if s.get("Sid") == "StopAbandonedImageBuilds")
+    (image_project,) = [
+        k for k in resources(template, "AWS::CodeBuild::Project") if k.startswith("BuildsImageBuild")
+    ]
+    assert abandoned["Resource"] == {"Fn::GetAtt": [image_project, "Arn"]}
     assert {a for a in _actions(is_complete) if a.startswith(aws_calls)} == {
         "codebuild:BatchGetBuilds",
         "codebuild:StopBuild",
@@ -220,6 +240,27 @@ def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
         "codebuild:ListBuildsForProject",
         "sagemaker:DescribeEndpoint",
         "sagemaker:InvokeEndpoint",
+        # a failing post-deploy check parks the endpoint on a copy of the previous config
+        "sagemaker:DescribeEndpointConfig",
+        "sagemaker:CreateEndpointConfig",
+        "sagemaker:AddTags",
+        "sagemaker:ListTags",
+        "sagemaker:UpdateEndpoint",
+        "cloudwatch:DescribeAlarms",
+        "kms:CreateGrant",  # the previous config's volume key, through SageMaker only
+        "kms:DescribeKey",
+    }
+    parking = {s["Sid"]: s for s in is_complete if "Sid" in s}
+    for sid in ("CreateParkedConfigs", "ParkEndpoints"):
+        text = json.dumps(parking[sid]["Resource"])
+        assert (
+            "endpoint-config/decider-cpu-parked-*" in text and "endpoint-config/decider-gpu-parked-*" in text
+        )
+        assert "endpoint-config/*" not in text
+    assert parking["UseVolumeKeysThroughSageMaker"]["Condition"] == {
+        "StringEquals": {
+            "kms:ViaService": {"Fn::Join": ["", ["sagemaker.", {"Ref": "AWS::Region"}, ".amazonaws.com"]]}
+        }
     }
     records = json.dumps(next(s for s in on_event if s.get("Sid") == "ReadDeployedImageRecords")["Resource"])
     assert (
@@ -306,11 +347,12 @@ def test_image_build_request_names_tag_buildspec_and_its_wait_condition(synth, s
     assert props["ImageSource"] == "auto"
     assert props["DeployedImageParameter"] == f"/decider/{config.endpoint_name}/image"
     assert yaml.safe_load(props["Buildspec"]) == yaml.safe_load(_projects(synth)[0]["Source"]["BuildSpec"])
+    assert props["ImageTag"] == image_tag(config, source_hash, props["Buildspec"])
     if variant == "cpu":
-        assert props["ImageTag"] == f"cpu-{source_hash}" and props["BuildArgs"] == ""
+        assert props["ImageTag"].startswith("cpu-") and props["BuildArgs"] == ""
     else:  # the CUDA architectures of the allowed GPUs (g6: sm_89) are a build argument and in the tag
         assert props["BuildArgs"] == "CUDA_ARCHITECTURES=89"
-        assert props["ImageTag"].startswith("cuda-") and props["ImageTag"] != f"cuda-{source_hash}"
+        assert props["ImageTag"].startswith("cuda-")
     # the wait condition: its handle goes to the build, it waits queue + build + margin, after the start
     handle_id = _logical_id(template, "AWS::CloudFormation::WaitConditionHandle")
     wait_id = _logical_id(template, "AWS::CloudFormation::WaitCondition")
@@ -338,10 +380,19 @@ def test_a_new_build_input_gets_a_new_handle_and_wait_condition(synth, synth_pre
         )
 
 
-def test_a_new_wait_timeout_alone_gets_a_new_wait_condition() -> None:
-    """`-c gpu.image_build.timeout_minutes=…` without a source change must not update a Timeout."""
-    assert build_inputs_id("t", "build", 60) != build_inputs_id("t", "build", 75)
-    assert build_inputs_id("t", "build", 60) == build_inputs_id("t", "build", 60)
+def test_the_image_tag_hashes_source_build_args_and_buildspec(synth) -> None:
+    """A buildspec edit rebuilds (the recipe is an input of the image); compute type and timeouts do
+    not (they only change how the build runs: test_update_rules walks them)."""
+    config, source = synth.decider.config.cpu, synth.decider.image.source_hash
+    buildspec = synth.decider.image.image_buildspec
+    tag = image_tag(config, source, buildspec)
+    assert tag == only(synth.templates["CpuStack"], "Custom::ImageBuild")["Properties"]["ImageTag"]
+    assert image_tag(config, source, buildspec + "\n# edited") != tag
+    assert image_tag(config, "0" * 64, buildspec) != tag
+    faster = config.model_copy(
+        update={"image_build": config.image_build.model_copy(update={"timeout_minutes": 90})}
+    )
+    assert image_tag(faster, source, buildspec) == tag
 
 
 @pytest.mark.parametrize("stack", ["CpuStack", "GpuStack"])
@@ -461,7 +512,7 @@ def test_endpoint_rolls_out_blue_green_canary_with_alarm_rollback_and_keeps_its_
         a["AlarmName"]["Ref"] for a in props["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]
     ]
     names = sorted(alarms[alarm_id]["Metadata"]["aws:cdk:path"].split("/")[-2] for alarm_id in rollback)
-    assert names == ["ErrorRate5xx", "ModelLatencyP90"]
+    assert names == ["ErrorRate5xx", "ModelFailureRate", "ModelLatencyP90"]
 
 
 def _alarms_by_name(template):
@@ -505,6 +556,7 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
         "ModelLatencyP90",
         "ErrorRate4xx",
         "ModelErrorRate",
+        "ModelFailureRate",
         "ModelSetupTime",
         "MemoryHigh",
         "DiskHigh",
@@ -523,6 +575,12 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
     assert alarms["ModelSetupTime"]["Threshold"] == 900 * 1_000_000
     assert "Invocation4XXErrors" in json.dumps(alarms["ErrorRate4xx"]["Metrics"])
     assert "InvocationModelErrors" in json.dumps(alarms["ModelErrorRate"]["Metrics"])
+    # the rollback alarm on model failures leaves callers' 4xx out (bad input must not roll back)
+    failure = next(m for m in alarms["ModelFailureRate"]["Metrics"] if "Expression" in m)["Expression"]
+    assert failure == (
+        "IF(failure_invocations >= 10 AND failure_errors > failure_client, "
+        "100 * (failure_errors - failure_client) / failure_invocations, 0)"
+    )
     topic = template["Resources"][topic_id]["Properties"]
     assert "KmsMasterKeyId" in topic
     policy = only(template, "AWS::SNS::TopicPolicy")["Properties"]["PolicyDocument"]["Statement"]
@@ -544,7 +602,7 @@ def test_every_alarm_notifies_the_stacks_encrypted_topic(synth, stack):
 @pytest.mark.parametrize(
     ("stack", "name", "low", "high"), [("CpuStack", "decider-cpu", 2, 4), ("GpuStack", "decider-gpu", 2, 3)]
 )
-def test_autoscaling_tracks_invocations_within_configured_bounds(synth, stack, name, low, high):
+def test_autoscaling_tracks_concurrency_within_configured_bounds(synth, stack, name, low, high):
     template = synth.templates[stack]
     endpoint_id = _logical_id(template, "AWS::SageMaker::Endpoint")
     target_id, target = next(iter(resources(template, "AWS::ApplicationAutoScaling::ScalableTarget").items()))
@@ -558,10 +616,28 @@ def test_autoscaling_tracks_invocations_within_configured_bounds(synth, stack, n
     assert policy["ScalingTargetId"] == {"Ref": target_id}
     tracking = policy["TargetTrackingScalingPolicyConfiguration"]
     assert tracking["PredefinedMetricSpecification"] == {
-        "PredefinedMetricType": "SageMakerVariantInvocationsPerInstance"
+        "PredefinedMetricType": "SageMakerVariantConcurrentRequestsPerModelHighResolution"
     }
     variant = synth.decider.config.variant(stack[:3].lower())
-    assert tracking["TargetValue"] == variant.target_invocations_per_instance
+    assert (
+        tracking["TargetValue"]
+        == variant.target_concurrency_per_instance
+        == app_config.DEFAULT_CONCURRENCY_TARGET
+    )
+    assert policy["PolicyName"] == f"{name}-concurrency-per-instance"
+
+
+def test_autoscaling_on_invocations_when_chosen(tmp_path):
+    from stack_helpers import run_synth
+
+    other = run_synth(tmp_path, {"cpu.scaling_metric": "invocations"}).templates["CpuStack"]
+    policy = only(other, "AWS::ApplicationAutoScaling::ScalingPolicy")["Properties"]
+    tracking = policy["TargetTrackingScalingPolicyConfiguration"]
+    assert (
+        tracking["PredefinedMetricSpecification"]["PredefinedMetricType"]
+        == "SageMakerVariantInvocationsPerInstance"
+    )
+    assert tracking["TargetValue"] == 10  # cdk.json's target_invocations_per_instance
 
 
 @pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
@@ -587,12 +663,13 @@ def test_execution_role_is_least_privilege(synth, stack, name):
     assert statements["ListModel"]["Condition"]["StringLike"]["s3:prefix"][0].startswith("models/bartowski/")
     assert f"/aws/sagemaker/Endpoints/{name}" in json.dumps(statements["WriteLogs"]["Resource"])
     assert statements["WriteMetrics"]["Condition"]["StringLike"]["cloudwatch:namespace"]
-    # SageMaker reads the auto-rollback alarms with this role: exactly those two, by ARN
+    # SageMaker reads the auto-rollback alarms with this role: exactly those three, by ARN
     alarms = _alarms_by_name(template)
     alarm_ids = {
         k
         for k, v in resources(template, "AWS::CloudWatch::Alarm").items()
-        if v["Metadata"]["aws:cdk:path"].split("/")[-2] in {"ErrorRate5xx", "ModelLatencyP90"}
+        if v["Metadata"]["aws:cdk:path"].split("/")[-2]
+        in {"ErrorRate5xx", "ModelLatencyP90", "ModelFailureRate"}
     }
     assert alarms
     assert statements["ReadRollbackAlarms"]["Action"] == "cloudwatch:DescribeAlarms"
@@ -772,3 +849,73 @@ def test_preflight_checks_the_bootstrap_version_the_templates_require(synth):
         rule = synth.templates[stack]["Rules"]["CheckBootstrapVersion"]["Assertions"][0]
         refused = rule["Assert"]["Fn::Not"][0]["Fn::Contains"][0]
         assert refused == [str(v) for v in range(1, MIN_BOOTSTRAP_VERSION)]
+
+
+# --- what a platform team expects: logs, captures, cost tags, a warned-about empty alarm topic --------
+
+
+@pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
+def test_the_endpoint_log_group_is_encrypted_with_a_key_only_its_logs_may_use(synth, stack, name):
+    template = synth.templates[stack]
+    group = only(template, "AWS::Logs::LogGroup")["Properties"]
+    assert group["LogGroupName"] == f"/aws/sagemaker/Endpoints/{name}"
+    (key_id,) = [k for k in resources(template, "AWS::KMS::Key") if "LogsKey" in k]
+    assert group["KmsKeyId"] == {"Fn::GetAtt": [key_id, "Arn"]}
+    key = template["Resources"][key_id]["Properties"]
+    assert key["EnableKeyRotation"] is True
+    logs = next(s for s in key["KeyPolicy"]["Statement"] if s.get("Sid") == "CloudWatchLogsEncrypt")
+    assert "logs." in json.dumps(logs["Principal"])
+    assert f"/aws/sagemaker/Endpoints/{name}" in json.dumps(logs["Condition"])
+
+
+def test_captured_data_expires(synth):
+    bucket = next(
+        v["Properties"]
+        for k, v in resources(synth.templates["ImageStack"], "AWS::S3::Bucket").items()
+        if "Artifacts" in k
+    )
+    rules = {r.get("Prefix"): r for r in bucket["LifecycleConfiguration"]["Rules"]}
+    for name in ("decider-cpu", "decider-gpu"):
+        rule = rules[f"data-capture/{name}/"]
+        assert rule["ExpirationInDays"] == 30 and rule["Status"] == "Enabled"
+        assert rule["NoncurrentVersionExpiration"] == {"NoncurrentDays": 1}
+
+
+@pytest.mark.parametrize(("stack", "variant"), [("CpuStack", "cpu"), ("GpuStack", "gpu")])
+def test_resources_carry_cost_allocation_tags(synth, stack, variant):
+    template = synth.templates[stack]
+    expected = {"project": "decider", "variant": variant, "endpoint": f"decider-{variant}"}
+    for cfn_type in ("AWS::SageMaker::Endpoint", "AWS::SageMaker::EndpointConfig", "AWS::SageMaker::Model"):
+        tags = {t["Key"]: t["Value"] for t in only(template, cfn_type)["Properties"]["Tags"]}
+        assert expected.items() <= tags.items(), cfn_type
+    image_tags = {
+        t["Key"]: t["Value"]
+        for t in only(synth.templates["ImageStack"], "AWS::ECR::Repository")["Properties"]["Tags"]
+    }
+    assert image_tags == {"project": "decider"}
+
+
+def test_an_alarm_topic_without_subscriber_is_warned_about_at_synth_and_in_the_outputs(synth, synth_prebuilt):
+    outputs = synth.templates["CpuStack"]["Outputs"]
+    assert outputs["AlarmSubscribers"]["Value"].startswith("NONE: the alarms of decider-cpu notify")
+    assert "-c cpu.alarms.email=" in outputs["AlarmSubscribers"]["Value"]
+    assert "AlarmTopicArn" in outputs
+    metadata = json.loads((synth.outdir / "CpuStack.metadata.json").read_text())
+    warnings = [e["data"] for entries in metadata.values() for e in entries if e["type"] == "aws:cdk:warning"]
+    assert any("without a subscriber" in str(w) for w in warnings), warnings
+    assert synth_prebuilt.templates["CpuStack"]["Outputs"]["AlarmSubscribers"]["Value"] == "ops@example.com"
+
+
+@pytest.mark.parametrize(("stack", "name"), [("CpuStack", "decider-cpu"), ("GpuStack", "decider-gpu")])
+def test_synthetic_load_runs_beside_the_endpoint_update(synth, stack, name):
+    """It needs the new config (so every update gets one) and must not wait for the Endpoint."""
+    template = synth.templates[stack]
+    load = only(template, "Custom::BakeLoad")
+    config_id = _logical_id(template, "AWS::SageMaker::EndpointConfig")
+    endpoint_id = _logical_id(template, "AWS::SageMaker::Endpoint")
+    props = load["Properties"]
+    assert props["EndpointName"] == name and props["LoadPerMinute"] == "12"
+    assert props["EndpointConfigName"] == {"Fn::GetAtt": [config_id, "EndpointConfigName"]}
+    assert endpoint_id not in json.dumps(load)
+    floor = synth.decider.config.variant(stack[:3].lower()).alarms.error_rate_min_invocations
+    assert int(props["LoadPerMinute"]) >= floor  # enough for the rollback alarms to count a minute

@@ -94,6 +94,10 @@ def plan(args: argparse.Namespace) -> tuple[list[dict], bool]:
                     "requests_per_minute": round(found.requests_per_minute, 1),
                     "suggested_target_invocations_per_instance": found.suggested_target,
                     "configured_target": variant.target_invocations_per_instance if configured else None,
+                    "suggested_target_concurrency_per_instance": found.suggested_concurrency_target,
+                    "configured_concurrency_target": (
+                        variant.target_concurrency_per_instance if configured else None
+                    ),
                     "price_per_hour": found.spec.price_per_hour,
                     "fleet_price_per_hour": (
                         round(found.spec.price_per_hour * variant.min_capacity, 3)
@@ -110,6 +114,11 @@ def show(console: Console, rows: list[dict], headroom: float, workload: planner.
     console.print(
         "[bold]How[/]: time = fixed overhead + tokens / throughput, requests served back to back "
         "(batching adds ~1x on a compute-bound CPU; not counted on a GPU either)."
+    )
+    console.print(
+        f"  autoscaling: 70 % of an instance's requests a minute (scaling_metric=invocations), or on "
+        f"concurrency (the default) {planner.DEFAULT_CONCURRENCY_TARGET:g} requests in the container per "
+        "instance: what a back-to-back server holds on average at 70 % utilisation, rho / (1 - rho)"
     )
     console.print(f"  latency measured: {escape(planner.GUIDE)}")
     console.print(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stacks.config import DEFAULT_CONCURRENCY_TARGET, TARGET_UTILISATION
 from stacks.instances import GPU_FAMILIES, INSTANCE_TYPES, InstanceSpec, family_of, gpu_model
 
 
@@ -56,7 +57,8 @@ GUIDE = "../shared/notes/aws-guide.md (AWS guide, 231 public JevBench tasks, seq
 CPU_MEASUREMENT = Measurement("ml.c6i.8xlarge", 1.715, 19.291, GUIDE)
 GPU_MEASUREMENT = Measurement("ml.g6e.xlarge", 0.352, 0.599, GUIDE)
 REFERENCE_WORKLOAD = Workload()
-TARGET_UTILISATION = 0.7  # autoscaling target as a share of what one instance can serve
+# TARGET_UTILISATION: the autoscaling target as a share of what one instance can serve, and
+# DEFAULT_CONCURRENCY_TARGET: the concurrency it means (stacks/config.py: one source of truth).
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,13 @@ class Estimate:
     def suggested_target(self) -> int:
         """target_invocations_per_instance: TARGET_UTILISATION of an instance's capacity."""
         return max(1, int(self.requests_per_minute * TARGET_UTILISATION))
+
+    @property
+    def suggested_concurrency_target(self) -> float:
+        """target_concurrency_per_instance: the requests a back-to-back server holds on average at
+        TARGET_UTILISATION with random arrivals, rho / (1 - rho) (M/M/1), whatever its speed. The
+        engine's batching (unmeasured on GPU, ~1x on CPU) is not counted."""
+        return DEFAULT_CONCURRENCY_TARGET
 
 
 class UnknownInstanceError(KeyError):

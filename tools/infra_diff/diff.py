@@ -506,6 +506,76 @@ def refusals(stack: str, old: dict[str, Any], new: dict[str, Any]) -> list[Refus
     return found
 
 
+def _changed_keys(old: dict[str, Any], new: dict[str, Any]) -> str:
+    return ", ".join(sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)))
+
+
+def update_refusals(
+    stack: str, old: dict[str, Any], new: dict[str, Any], replaced: set[str], *, same_environment: bool = True
+) -> list[Refusal]:
+    """Updates CloudFormation or SageMaker cannot carry out, for any resource of these kinds:
+
+    - an AWS::SageMaker::Endpoint whose properties change while its EndpointConfigName does not
+      ("To update an endpoint, you must create a new EndpointConfig", SageMaker UpdateEndpoint);
+    - a resource that passes a WaitConditionHandle on (e.g. Custom::ImageBuild) and changes beside the
+      same handle ("associate the wait condition with a new WaitConditionHandle", WaitCondition);
+    - a custom resource whose ServiceToken changes ("Updates are not supported"). Not checked across
+      environments (`same_environment=False`: pinning an account or region is a new deploy there)."""
+    found: list[Refusal] = []
+    old_resources, new_resources = old.get("Resources", {}), new.get("Resources", {})
+    for logical_id, resource in new_resources.items():
+        before = old_resources.get(logical_id)
+        if before is None or before.get("Type") != resource.get("Type"):
+            continue
+        props, old_props = resource.get("Properties", {}), before.get("Properties", {})
+        if props == old_props:
+            continue
+        if resource["Type"] == "AWS::SageMaker::Endpoint":
+            old_configs = {t for t, _ in references(old_props.get("EndpointConfigName"))}
+            new_configs = {t for t, _ in references(props.get("EndpointConfigName"))}
+            same_literal = old_props.get("EndpointConfigName") == props.get("EndpointConfigName")
+            if same_literal and not (new_configs & replaced) and (old_configs == new_configs):
+                found.append(
+                    Refusal(
+                        stack,
+                        logical_id,
+                        "endpoint_update_without_new_config",
+                        f"{logical_id} changes ({_changed_keys(old_props, props)}) under the same endpoint "
+                        "config: UpdateEndpoint needs a new EndpointConfig and refuses the one the endpoint "
+                        "runs. Change the endpoint config too (this app names it after the endpoint's "
+                        "settings), or roll the endpoint change out with the next config change",
+                    )
+                )
+        handles = {
+            t
+            for t, kind in references(props)
+            if kind == "Ref"
+            and new_resources.get(t, {}).get("Type") == "AWS::CloudFormation::WaitConditionHandle"
+        }
+        if handles and handles == {t for t, _ in references(old_props)} & handles:
+            found.append(
+                Refusal(
+                    stack,
+                    logical_id,
+                    "wait_handle_reused",
+                    f"{logical_id} changes ({_changed_keys(old_props, props)}) beside the same, already "
+                    f"signalled {', '.join(sorted(handles))}: its wait condition needs a new handle",
+                )
+            )
+        token = props.get("ServiceToken")
+        if same_environment and token is not None and token != old_props.get("ServiceToken"):
+            found.append(
+                Refusal(
+                    stack,
+                    logical_id,
+                    "service_token_changed",
+                    f"{logical_id}: ServiceToken changes, which CloudFormation does not support; keep the "
+                    "provider's logical id and output (tests/stacks/test_cross_stack.py pins them)",
+                )
+            )
+    return found
+
+
 def _variant_key(endpoint_name: str) -> str:
     """The cdk.json key (`cpu` / `gpu`) an endpoint name suggests, else a placeholder."""
     lowered = endpoint_name.lower()
@@ -526,4 +596,6 @@ def diff_templates(old: Templates, new: Templates, stacks: list[str] | None = No
         report.resources.extend(resources)
         report.sections.extend(sections)
         report.warnings.extend(refusals(stack, old.get(stack, {}), new.get(stack, {})))
+        replaced = {r.logical_id for r in resources if r.action == "replace"}
+        report.warnings.extend(update_refusals(stack, old.get(stack, {}), new.get(stack, {}), replaced))
     return report

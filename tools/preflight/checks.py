@@ -8,7 +8,12 @@
   deploy-time builds use (0 on some new accounts: StartBuild then fails with AccountLimitExceededException).
 - CDK bootstrap: the CDKToolkit stack and its version parameter (the templates require version 6).
 - Leftovers of an earlier install that block a fresh ImageStack or endpoint: the fixed-name artifacts
-  bucket, and endpoints of the same name outside the stacks.
+  bucket, endpoints of the same name outside the stacks, and the endpoint's log group (a fixed name: a
+  group left by a manual test, `promote apply` or a deleted stack makes the stack's creation fail with
+  "already exists").
+- A compute type CodeBuild does not offer in the region (no concurrent-builds quota for it) blocks.
+- A deploy that would start at a low instance count under load warns: the fleet cannot scale during
+  the update, and the new fleet starts at the live count (RetainAllVariantProperties).
 
 Nothing here changes anything; every finding says how to fix it.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -40,7 +46,7 @@ CFN_STACK_TAG = "aws:cloudformation:stack-name"
 @dataclass
 class Finding:
     check: str
-    status: str  # "ok" | "missing" | "unknown"
+    status: str  # "ok" | "missing" | "unknown" | "warning" (does not block)
     detail: str
     fix: str = ""
 
@@ -173,7 +179,17 @@ def codebuild_quotas(service_quotas: Any, target: Target) -> list[Finding]:
         match = next(((n, q) for n, q in quotas.items() if pattern.fullmatch(n)), None)
         label = f"CodeBuild Linux/{size} concurrent builds"
         if match is None:
-            findings.append(Finding(label, "unknown", f"no such quota listed ({', '.join(users)})"))
+            # Service Quotas lists a quota per compute type CodeBuild offers in the region: none means
+            # StartBuild cannot run this size here (2XLARGE is not offered everywhere).
+            findings.append(
+                Finding(
+                    label,
+                    "missing",
+                    f"CodeBuild offers no {compute} in {target.region} (no 'Concurrently running builds for "
+                    f"Linux/{size} environment' quota; {', '.join(users)})",
+                    _compute_fix(compute, users, target),
+                )
+            )
             continue
         _, (code, value) = match
         # one build at a time is enough (staging and image run in turn); two when both stacks deploy at once
@@ -192,6 +208,16 @@ def codebuild_quotas(service_quotas: Any, target: Target) -> list[Finding]:
                 )
             )
     return findings
+
+
+def _compute_fix(compute: str, users: list[str], target: Target) -> str:
+    variants = sorted({u.split()[0] for u in users if u.endswith(" image")})
+    smaller = "BUILD_GENERAL1_XLARGE" if compute == "BUILD_GENERAL1_2XLARGE" else "BUILD_GENERAL1_LARGE"
+    options = " ".join(f"-c {v}.image_build.compute_type={smaller}" for v in variants)
+    prebuilt = " ".join(f"-c {v}.image_uri=<repo>@sha256:<digest>" for v in variants)
+    if not variants:
+        return f"deploy in a region where CodeBuild offers {compute}"
+    return f"use a size offered in {target.region} ({options}), or build in CI and deploy {prebuilt}"
 
 
 def bootstrap(ssm: Any, cloudformation: Any, target: Target) -> list[Finding]:
@@ -261,6 +287,40 @@ def leftovers(s3: Any, sagemaker: Any, cloudformation: Any, target: Target) -> l
     return findings
 
 
+def endpoint_log_group(variant: VariantConfig) -> str:
+    """The endpoint's log group, as SageMaker names it and the stack owns it (stacks/endpoint.py)."""
+    return f"/aws/sagemaker/Endpoints/{variant.endpoint_name}"
+
+
+def log_groups(logs: Any, cloudformation: Any, target: Target) -> list[Finding]:
+    """The endpoint log groups: free, or owned by their stack. A leftover one blocks the stack's creation."""
+    findings = []
+    for variant in target.variants:
+        name, stack = endpoint_log_group(variant), "GpuStack" if variant.is_gpu else "CpuStack"
+        label = f"log group {name}"
+        try:
+            groups = logs.describe_log_groups(logGroupNamePrefix=name).get("logGroups", [])
+            if not any(g.get("logGroupName") == name for g in groups):
+                findings.append(Finding(label, "ok", "free"))
+            elif _stack_exists(cloudformation, stack):
+                findings.append(Finding(label, "ok", f"{stack} exists (it owns the group)"))
+            else:
+                findings.append(
+                    Finding(
+                        label,
+                        "missing",
+                        f"exists without {stack} (left by a manual test, `promote apply` or a deleted "
+                        f"stack): creating {stack} would fail with 'already exists'",
+                        "export what you need (aws logs create-export-task …), then aws logs "
+                        f"delete-log-group --log-group-name {name} --region {target.region}; or deploy with "
+                        f"-c {variant.name}.endpoint_name=<another name>",
+                    )
+                )
+        except (ClientError, BotoCoreError) as error:
+            findings.append(Finding(label, "unknown", f"could not check: {_code(error)}"))
+    return findings
+
+
 def _endpoint_name(sagemaker: Any, variant: VariantConfig) -> Finding:
     label = f"endpoint name {variant.endpoint_name}"
     try:
@@ -290,4 +350,75 @@ def run_all(clients: dict[str, Any], target: Target) -> list[Finding]:
         *sagemaker_quotas(clients["service-quotas"], clients["sagemaker"], target),
         *codebuild_quotas(clients["service-quotas"], target),
         *leftovers(clients["s3"], clients["sagemaker"], clients["cloudformation"], target),
+        *log_groups(clients["logs"], clients["cloudformation"], target),
+        *frozen_scaling(clients["sagemaker"], clients["cloudwatch"], target),
     ]
+
+
+LOAD_WINDOW = timedelta(minutes=15)
+LOW_COUNT_LOAD = 0.5  # of target_invocations_per_instance: "under load"
+
+
+def frozen_scaling(
+    sagemaker: Any, cloudwatch: Any, target: Target, now: datetime | None = None
+) -> list[Finding]:
+    """Warn when an existing endpoint runs below max_capacity while its invocations per instance over
+    the last 15 minutes reach half the target: an update runs for the whole canary, linear and
+    termination bake (and its fleet keeps the live count), during which autoscaling does not scale."""
+    now = now or datetime.now(UTC)
+    findings = []
+    for variant in target.variants:
+        if not variant.autoscaling:
+            continue
+        label = f"instances of {variant.endpoint_name} before the update"
+        try:
+            endpoint = sagemaker.describe_endpoint(EndpointName=variant.endpoint_name)
+        except ClientError as error:
+            if _code(error) == "ValidationException":  # no endpoint yet: a create, nothing to scale
+                continue
+            findings.append(Finding(label, "unknown", f"could not read it: {_code(error)}"))
+            continue
+        try:
+            count = sum(int(v.get("CurrentInstanceCount", 0)) for v in endpoint.get("ProductionVariants", []))
+            points = cloudwatch.get_metric_statistics(
+                Namespace="AWS/SageMaker",
+                MetricName="Invocations",
+                Dimensions=[
+                    {"Name": "EndpointName", "Value": variant.endpoint_name},
+                    {"Name": "VariantName", "Value": "AllTraffic"},
+                ],
+                StartTime=now - LOAD_WINDOW,
+                EndTime=now,
+                Period=60,
+                Statistics=["Sum"],
+            ).get("Datapoints", [])
+        except (ClientError, BotoCoreError) as error:
+            findings.append(Finding(label, "unknown", f"could not read the load: {_code(error)}"))
+            continue
+        per_minute = sum(p["Sum"] for p in points) / (LOAD_WINDOW.total_seconds() / 60)
+        per_instance = per_minute / max(count, 1)
+        bake = variant.deployment.wait_interval_s + variant.deployment.termination_wait_s
+        what = (
+            f"{count} of at most {variant.max_capacity} instances, {per_instance:.1f} invocations a minute "
+            f"each over the last 15 min (target {variant.target_invocations_per_instance})"
+        )
+        if (
+            count < variant.max_capacity
+            and per_instance >= LOW_COUNT_LOAD * variant.target_invocations_per_instance
+        ):
+            findings.append(
+                Finding(
+                    label,
+                    "warning",
+                    f"{what}: autoscaling cannot add instances during the update (at least "
+                    f"{bake // 60} min of baking), and the new fleet starts at this count",
+                    "scale out first: aws application-autoscaling register-scalable-target "
+                    "--service-namespace sagemaker --scalable-dimension "
+                    f"sagemaker:variant:DesiredInstanceCount --resource-id endpoint/{variant.endpoint_name}"
+                    f"/variant/AllTraffic --min-capacity {variant.max_capacity}, and the same with "
+                    f"--min-capacity {variant.min_capacity} after the deploy; or deploy at a quieter hour",
+                )
+            )
+        else:
+            findings.append(Finding(label, "ok", what))
+    return findings

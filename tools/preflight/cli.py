@@ -30,8 +30,13 @@ from tools.preflight import checks
 
 EXIT_OK, EXIT_MISSING, EXIT_USAGE = 0, 1, 2
 CLIENT_CONFIG = Config(retries={"mode": "adaptive", "max_attempts": 8}, user_agent_extra="preflight/0.1")
-SERVICES = ("service-quotas", "sagemaker", "ssm", "cloudformation", "s3", "sts")
-STYLE = {"ok": "[green]ok[/]", "missing": "[bold red]MISSING[/]", "unknown": "[yellow]unknown[/]"}
+SERVICES = ("service-quotas", "sagemaker", "ssm", "cloudformation", "s3", "sts", "logs", "cloudwatch")
+STYLE = {
+    "ok": "[green]ok[/]",
+    "missing": "[bold red]MISSING[/]",
+    "unknown": "[yellow]unknown[/]",
+    "warning": "[bold yellow]warning[/]",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +78,10 @@ def show(console: Console, target: checks.Target, findings: list[checks.Finding]
     console.print(table)
     fixes = [f for f in findings if f.fix]
     if fixes:
-        console.print("[bold]To fix before deploying[/] (quota increases can take a while to be granted):")
+        console.print(
+            "[bold]To fix before deploying[/] (quota increases can take a while to be granted; warnings "
+            "do not block):"
+        )
         for finding in fixes:
             console.print(f"  {escape(finding.check)}: {escape(finding.fix)}", soft_wrap=True)
 
