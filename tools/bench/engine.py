@@ -206,6 +206,25 @@ class PlainLlama:
         self.runtime.close()
 
 
+def shared_and_raw(
+    engine: DecisionEngine, plain: PlainLlama, workload: Workload, repeats: int
+) -> tuple[Timed, Timed]:
+    """Shared mode and the plain-sequence limit, request by request in turn (side by side: a slow
+    moment of the machine falls on both, not on one), each the best of `repeats`."""
+    shared, raw = Timed(), Timed()
+    for body in workload.bodies:
+        one = Workload(workload.name, [body], workload.sample)
+        for total, part in (
+            (shared, decide_run(engine, one, "shared", repeats, sampled=False)),
+            (raw, raw_run(engine, plain, one, repeats)),
+        ):
+            total.seconds += part.seconds
+            total.questions += part.questions
+            total.tokens += part.tokens
+            total.answers.update(part.answers)
+    return shared, raw
+
+
 def raw_run(engine: DecisionEngine, plain: PlainLlama, workload: Workload, repeats: int) -> Timed:
     out = Timed()
     for body in workload.bodies:
@@ -301,21 +320,35 @@ def admission_run(engine: DecisionEngine, cases: list[dict[str, Any]]) -> list[d
 # --- the batch-invariant engine, in a child process -------------------------------------------------
 def invariant_worker(args: argparse.Namespace) -> int:
     """Child process: shared mode on W1 and W2, and the many-option questions, with the
-    batch-invariant opt-in; JSON out."""
-    settings = Settings(
-        **model_settings(args, smollm2_path()), prompt_version=PROMPT_V1, batch_invariant=True
-    )
-    engine = DecisionEngine.load(settings)
+    batch-invariant opt-in and, request by request in turn, with the default engine (side by side,
+    so that `invariant_cost` does not depend on when the machine was busy); JSON out.
+
+    Both engines share the process's kernel choice: exact for SmolLM2 (Q4_1 has no K-quant tiled
+    path), while on a K-quant model the default engine here also runs the forced tiled matmul."""
+    fields = model_settings(args, smollm2_path())
+    engine = DecisionEngine.load(Settings(**fields, prompt_version=PROMPT_V1, batch_invariant=True))
+    default = DecisionEngine.load(Settings(**fields, prompt_version=PROMPT_V1))
     loads = workloads(engine, args)
-    engine.decide(parse(loads[0].bodies[0]))  # warm-up: graph allocation, page cache
+    for warm in (engine, default):
+        warm.decide(parse(loads[0].bodies[0]))  # warm-up: graph allocation, page cache
     result: dict[str, Any] = {}
     for workload in loads:
-        result[workload.name] = {
-            "shared": asdict(decide_run(engine, workload, "shared", args.repeats, sampled=False))
-        }
-    result["options"] = [
-        options_run(engine, loads[0].bodies[0], count, args.repeats) for count in OPTION_COUNTS
-    ]
+        invariant, beside = Timed(), Timed()
+        for body in workload.bodies:
+            one = Workload(workload.name, [body], workload.sample)
+            for total, run_on in ((invariant, engine), (beside, default)):
+                part = decide_run(run_on, one, "shared", args.repeats, sampled=False)
+                total.seconds += part.seconds
+                total.questions += part.questions
+                total.tokens += part.tokens
+                total.answers.update(part.answers)
+        result[workload.name] = {"shared": asdict(invariant), "default_shared": asdict(beside)}
+    result["options"] = []
+    for count in OPTION_COUNTS:
+        row = options_run(engine, loads[0].bodies[0], count, args.repeats)
+        row["default_seconds"] = options_run(default, loads[0].bodies[0], count, args.repeats)["seconds"]
+        result["options"].append(row)
+    default.close()
     engine.close()
     args.worker_out.write_text(json.dumps(result))
     return 0
@@ -409,10 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, Timed]] = {}
     for workload in (w1, w2):
         with phase(console, f"{workload.name}: fresh, shared, raw prefill, text route"):
+            shared, raw = shared_and_raw(engine, plain, workload, args.repeats)
             runs[workload.name] = {
                 "fresh": decide_run(engine, workload, "fresh", args.repeats, sampled=True),
-                "shared": decide_run(engine, workload, "shared", args.repeats, sampled=False),
-                "raw": raw_run(engine, plain, workload, args.repeats),
+                "shared": shared,
+                "raw": raw,
                 "text": text_route_run(engine, workload, args.repeats),
                 # fresh-mode tokens of the whole workload, for the ideal ratio (fresh may be sampled)
                 "fresh_all": Timed(
@@ -442,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             invariant, invariant_options = run_invariant_child(argv)
         for row, other in zip(options, invariant_options, strict=True):
             row["invariant_seconds"] = other["seconds"]
+            row["default_seconds_beside"] = other["default_seconds"]
 
     results = report(console, runs, invariant, options, admission, settings)
     if args.json:
@@ -496,16 +531,16 @@ def report(
     console.print(table)
 
     invariant = Table(
-        title="The batch-invariant opt-in (batch_invariant=True, child process) vs the default: shared mode"
+        title="The batch-invariant opt-in vs the default, request by request in turn (child): shared mode"
     )
     for column in ("", "default s", "invariant s", "invariant_cost", "argmax agree", "max |Δp| default-inv"):
         invariant.add_column(column, justify="right")
     for name in ("W1", "W2"):
-        default = runs[name]["shared"]
         if invariant_runs is None:
             results[name]["invariant_cost"] = math.nan
             continue
         inv = invariant_runs[name]["shared"]
+        default = invariant_runs[name].get("default_shared", runs[name]["shared"])  # timed beside it
         agree, compared, delta = compare(default.answers, inv.answers)
         results[name]["invariant_cost"] = ratio(inv.seconds, default.seconds)
         results[name]["default_vs_invariant_max_dp"] = delta
@@ -555,7 +590,7 @@ def report(
         many.add_column(column, justify="right")
     for row in options:
         inv = row.get("invariant_seconds", math.nan)
-        row["invariant_cost"] = ratio(inv, row["seconds"])
+        row["invariant_cost"] = ratio(inv, row.get("default_seconds_beside", row["seconds"]))
         many.add_row(
             str(row["options"]), row["readout"], str(row["tokens"]), str(row["decodes"]),
             f"{row['seconds']:.2f}", f"{ratio(row['tokens'], row['seconds']):.0f}", f"{row['top_p']:.3f}",

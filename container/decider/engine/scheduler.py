@@ -205,7 +205,7 @@ class Scheduler:
         self._stalled_since: float | None = None
         self._head: list[int] = []
         self._head_ready = False
-        self.costs = CostModel()  # seconds per decode, fitted to the decodes timed so far
+        self.costs = CostModel()  # seconds per decode, fitted to the decodes timed so far (under _cond)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -503,7 +503,8 @@ class Scheduler:
         self._metrics.decode_tokens.observe(tokens)
         if completed:  # an aborted or split decode says nothing of the cost
             attended = sum(span_attended(p.row.start_pos, len(p.row.tokens)) for p in step.rows)
-            self.costs.observe(Cost(1, tokens, attended), elapsed)
+            with self._cond:  # admission reads the model on the event loop
+                self.costs.observe(Cost(1, tokens, attended), elapsed)
 
     def _decode_split(
         self, backend: Backend, rows: list[PlannedRow], should_abort: Callable[[], bool]
