@@ -249,6 +249,8 @@ def create_app(
             return await handle_batch(runtime, request, body)
         if target == "openai_decision":
             return await handle_openai_decision(runtime, request, body)
+        if target == "models":
+            return await models(request)
         return await handle_chat(runtime, request, body)
 
     async def systemone(request: Request) -> Response:
