@@ -401,6 +401,16 @@ class VariantConfig(_Strict):
     model_s3_uri: str | None = Field(
         None, description="Prebuilt model prefix s3://bucket/prefix/: skips staging. Global: model_s3_uri."
     )
+    batch_transform: bool = Field(
+        False,
+        description="Let Batch Transform jobs of this Model (decide-batch) read batch/<endpoint>/input/ and "
+        "write batch/<endpoint>/output/ in the artifacts bucket (stacks/client_access.py).",
+    )
+    openai_path_policy: bool = Field(
+        False,
+        description="A managed policy (output OpenAiPathPolicyArn) for callers of SageMaker's "
+        "OpenAI-compatible chat path: sagemaker:CallWithBearerToken and InvokeEndpoint on this endpoint.",
+    )
     image_build: ImageBuildConfig = ImageBuildConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     alarms: AlarmConfig = AlarmConfig()

@@ -11,6 +11,7 @@ from aws_cdk import Aws, CfnOutput, Fn, Stack
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
+from stacks.client_access import OpenAiPathPolicy, grant_batch_transform
 from stacks.config import (
     IMAGE_URI_RE,
     S3_PREFIX_RE,
@@ -77,6 +78,7 @@ class EndpointStack(Stack):
             environment=container_environment(variant, config.model),
             data_capture_bucket=image_stack.artifacts_bucket_name,
         )
+        self._client_access(variant, image_stack)
         if image.guard is not None:  # the image is checked and protected before the model uses it
             self.endpoint.model.node.add_dependency(image.guard)
         self.dashboard = EndpointDashboard(self, "Monitoring", variant=variant, alarms=self.endpoint.alarms)
@@ -98,6 +100,15 @@ class EndpointStack(Stack):
         )
         self.record.node.add_dependency(self.check)
         self._outputs(image, model)
+
+    def _client_access(self, variant: VariantConfig, image_stack: ImageStack) -> None:
+        """Opt-in grants for Batch Transform and SageMaker's OpenAI-compatible path (client_access.py)."""
+        if variant.batch_transform:
+            grant_batch_transform(
+                self.endpoint.execution.role, variant=variant, bucket_name=image_stack.artifacts_bucket_name
+            )
+        if variant.openai_path_policy:
+            OpenAiPathPolicy(self, "OpenAiPath", variant=variant)
 
     def _image(self, variant: VariantConfig, config: AppConfig, image_stack: ImageStack) -> ImageLocation:
         if variant.image_uri:

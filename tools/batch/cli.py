@@ -10,8 +10,9 @@ the join). `submit` starts a transform job from the variant's deployed Model (re
 endpoint) on the variant's instance type; `status` prints progress (input objects written);
 `fetch` downloads the output and summarises it (answered, per-record errors by code, decisions per
 second). `local` runs the same contract against a local server or container with the stand-in of
-the service (`tools.batch.standin`). The stack's execution role may read `batch/input/` and write
-`batch/output/` in the artifacts bucket (docs/batch.md); other locations need a grant of their own.
+the service (`tools.batch.standin`). Deployed with `-c <variant>.batch_transform=true`, the stack's
+execution role (which the job runs as) may read `s3://<artifacts bucket>/batch/<endpoint>/input/` and
+write `…/batch/<endpoint>/output/` (docs/batch.md); other locations need a grant of their own.
 """
 
 from __future__ import annotations
