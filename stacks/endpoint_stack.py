@@ -11,6 +11,7 @@ from aws_cdk import Aws, CfnOutput, Fn, Stack
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
+from stacks.async_inference import AsyncInference, async_environment
 from stacks.client_access import OpenAiPathPolicy, grant_batch_transform
 from stacks.config import (
     IMAGE_URI_RE,
@@ -18,6 +19,7 @@ from stacks.config import (
     AppConfig,
     VariantConfig,
     container_environment,
+    container_settings,
     deployed_image_parameter,
 )
 from stacks.deploy_time_build import DeployedImage, ImageBuild, ModelStaging, PostDeployCheck
@@ -49,6 +51,15 @@ def invoke_command(endpoint_name: str, region: str) -> str:
     )
 
 
+def async_invoke_command(endpoint_name: str, region: str, timeout_s: int) -> str:
+    return (
+        f"decide-batch --region {region} async --endpoint {endpoint_name} --input request.json --wait  # or: "
+        f"aws sagemaker-runtime invoke-endpoint-async --region {region} --endpoint-name {endpoint_name} "
+        "--content-type application/json --custom-attributes route=/v1/systemone "
+        f"--invocation-timeout-seconds {timeout_s} --input-location s3://…/async/{endpoint_name}/input/request.json"
+    )
+
+
 class EndpointStack(Stack):
     """One endpoint variant (the `variant` argument picks `cpu` or `gpu` from the config)."""
 
@@ -75,10 +86,20 @@ class EndpointStack(Stack):
             variant=variant,
             image=image,
             model=model,
-            environment=container_environment(variant, config.model),
+            environment=async_environment(variant, container_environment(variant, config.model)),
             data_capture_bucket=image_stack.artifacts_bucket_name,
         )
         self._client_access(variant, image_stack)
+        self.async_inference: AsyncInference | None = None
+        if variant.invocation == "async":
+            self.async_inference = AsyncInference(
+                self,
+                "Async",
+                endpoint=self.endpoint,
+                variant=variant,
+                bucket_name=image_stack.artifacts_bucket_name,
+                settings=container_settings(variant, config.model),
+            )
         if image.guard is not None:  # the image is checked and protected before the model uses it
             self.endpoint.model.node.add_dependency(image.guard)
         self.dashboard = EndpointDashboard(self, "Monitoring", variant=variant, alarms=self.endpoint.alarms)
@@ -89,6 +110,8 @@ class EndpointStack(Stack):
             endpoint_name=self.endpoint.endpoint.attr_endpoint_name,
             endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
         )
+        if variant.invocation == "async":  # InvokeEndpoint is refused there: check the config only
+            self.check.resource.node.default_child.add_property_override("Invocation", "async")  # type: ignore[union-attr]
         # Written only after the check passed (a rollback restores the previous value); the next
         # deploy reads it to keep an image pinned with `-c image_uri` (stacks/handlers/codebuild_job.py).
         self.record = ssm.StringParameter(
@@ -169,12 +192,23 @@ class EndpointStack(Stack):
             description="pinned (a -c image_uri deploy, kept until -c <variant>.image_source=build) or build",
         )
         CfnOutput(self, "ModelS3Uri", value=model.s3_uri, description="Model data (uncompressed S3 prefix)")
-        CfnOutput(
-            self,
-            "InvokeCommand",
-            value=invoke_command(name, Aws.REGION),
-            description="Try the endpoint (decision route); drop --custom-attributes for body-shape routing",
-        )
+        if self.variant.invocation == "async":
+            CfnOutput(
+                self,
+                "InvokeCommand",
+                value=async_invoke_command(
+                    name, Aws.REGION, self.variant.async_inference.invocation_timeout_s
+                ),
+                description="Try the async endpoint: upload a request body to AsyncInputS3Uri first",
+            )
+        else:
+            CfnOutput(
+                self,
+                "InvokeCommand",
+                value=invoke_command(name, Aws.REGION),
+                description="Try the endpoint (decision route); "
+                "drop --custom-attributes for body-shape routing",
+            )
         CfnOutput(
             self,
             "DashboardUrl",
