@@ -4,6 +4,7 @@
     decide-batch status decide-cpu-20261201-120000 [--wait]
     decide-batch fetch  decide-cpu-20261201-120000 [--dest out/]
     decide-batch local  --url http://127.0.0.1:8080 --input tickets.jsonl --output decided.jsonl
+    decide-batch async  --variant cpu --input request.json --wait      # an invocation=async endpoint
 
 Each input line is one decision request (`/v1/systemone`; extra fields such as an `id` are kept by
 the join). `submit` starts a transform job from the variant's deployed Model (read from its
@@ -31,6 +32,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from stacks.config import VARIANTS, ConfigError, load_config
 from stacks.synth import context_with
+from tools.batch.async_job import artifacts_bucket, input_uri, wait_for_answer
+from tools.batch.async_job import submit as submit_async
 from tools.batch.jobs import (
     DEFAULT_TIMEOUT_SECONDS,
     BatchError,
@@ -82,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_cmd.add_argument("--dest", type=Path, help="write the .out objects under this directory")
     fetch_cmd.add_argument("--json", action="store_true", help="print the summary as JSON")
 
+    one = commands.add_parser("async", help="one request file through an async endpoint (invocation=async)")
+    target = one.add_mutually_exclusive_group(required=True)
+    target.add_argument("--variant", choices=VARIANTS)
+    target.add_argument("--endpoint", help="an async endpoint's name")
+    one.add_argument("--input", type=Path, required=True, help="the request body (JSON)")
+    one.add_argument("--route", default="/v1/systemone", help="the container route (CustomAttributes)")
+    one.add_argument(
+        "--input-location", help="s3:// key to upload to (default: the artifacts bucket's async/)"
+    )
+    one.add_argument(
+        "--timeout", type=int, help="InvocationTimeoutSeconds (default: the variant's, else 3600)"
+    )
+    one.add_argument("--wait", action="store_true", help="wait for the answer and print it")
+    one.add_argument("-c", "--context", action="append", default=[], metavar="KEY=VALUE")
+
     local = commands.add_parser("local", help="run the Batch Transform contract against a local server")
     local.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8080")
     local.add_argument("--input", type=Path, required=True)
@@ -96,7 +114,10 @@ def make_clients(region: str | None, profile: str | None) -> dict[str, Any]:
     session = boto3.Session(region_name=region, profile_name=profile)
     if not session.region_name:
         raise BatchError("no AWS region: pass --region or set AWS_REGION")
-    return {name: session.client(name, config=CLIENT_CONFIG) for name in ("sagemaker", "s3")}
+    return {
+        name: session.client(name, config=CLIENT_CONFIG)
+        for name in ("sagemaker", "s3", "sagemaker-runtime", "sts")
+    }
 
 
 def wait(
@@ -160,6 +181,43 @@ def _submit(args: argparse.Namespace, clients: dict[str, Any], out: Callable[[st
     return EXIT_OK
 
 
+def _async(args: argparse.Namespace, clients: dict[str, Any], out: Callable[[str], None]) -> int:
+    config = load_config(context_with(args.context))
+    timeout = args.timeout or DEFAULT_TIMEOUT_SECONDS
+    endpoint = args.endpoint
+    if args.variant:
+        variant = config.variant(args.variant)
+        if variant.invocation != "async":
+            raise BatchError(
+                f"the {args.variant} variant is real-time; deploy it with -c {args.variant}.invocation=async"
+            )
+        endpoint = variant.endpoint_name
+        timeout = args.timeout or variant.async_inference.invocation_timeout_s
+    location = args.input_location
+    if location is None:
+        account = clients["sts"].get_caller_identity()["Account"]
+        region = clients["s3"].meta.region_name
+        location = input_uri(artifacts_bucket(config.project, account, region), endpoint)
+    invocation = submit_async(
+        clients["sagemaker-runtime"],
+        clients["s3"],
+        endpoint=endpoint,
+        body=args.input.read_bytes(),
+        location=location,
+        route=args.route,
+        timeout_seconds=timeout,
+    )
+    out(
+        f"submitted {invocation.inference_id or '(no id)'}: "
+        f"{invocation.input_location} -> {invocation.output_location}"
+    )
+    if not args.wait:
+        return EXIT_OK
+    ok, body = wait_for_answer(clients["s3"], invocation, timeout_seconds=timeout + 120)
+    out(body.decode(errors="replace"))
+    return EXIT_OK if ok else EXIT_FAILED
+
+
 def _local(args: argparse.Namespace, out: Callable[[str], None]) -> int:
     result = run_local_transform(
         args.url,
@@ -190,6 +248,8 @@ def main(argv: Sequence[str] | None = None, clients: dict[str, Any] | None = Non
         clients = clients or make_clients(args.region, args.profile)
         if args.command == "submit":
             return _submit(args, clients, out)
+        if args.command == "async":
+            return _async(args, clients, out)
         if args.command == "status":
             if args.wait:
                 return EXIT_OK if wait(clients, args.job, out) == "Completed" else EXIT_FAILED
