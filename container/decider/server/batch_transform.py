@@ -256,6 +256,7 @@ class _Invocation:
 async def handle_jsonlines(runtime: Any, request: Request) -> Response:
     """`POST /invocations` with `Content-Type: application/jsonlines`: one answer line per record."""
     settings: Settings = runtime.settings
+    runtime.require_engine()  # not ready (loading, stopping): 503 for the whole invocation, which is retried
     limit = payload_limit(settings)
     raw = await read_body(request, limit)
     data = await asyncio.to_thread(decode_content, raw, request.headers.get("content-encoding"), limit)
