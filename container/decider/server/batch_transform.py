@@ -37,7 +37,7 @@ from decider.errors import (
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
 from decider.server.body import decode_content, parse_json, read_body
-from decider.server.handlers import internal_error
+from decider.server.handlers import ClientDisconnectedError, internal_error
 from decider.server.routing import target_from_body
 from decider.settings import Settings
 
@@ -264,13 +264,32 @@ async def handle_jsonlines(runtime: Any, request: Request) -> Response:
     invocation = _Invocation(runtime, request.state.request_id)
     slots = asyncio.Semaphore(records_in_flight(settings))
     tasks = [asyncio.ensure_future(invocation.decide(i, record, slots)) for i, record in enumerate(records)]
+    gathered = asyncio.ensure_future(asyncio.gather(*tasks))
+    watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        lines = await asyncio.gather(*tasks)
+        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        invocation.cancel()
-        for task in tasks:
-            task.cancel()
+        done = set()
+        watcher.cancel()
+        _stop(invocation, tasks, gathered)
         raise
+    watcher.cancel()
+    if gathered not in done:  # the caller went away (Batch Transform gave up): stop its records
+        _stop(invocation, tasks, gathered)
+        raise ClientDisconnectedError
+    lines = gathered.result()
     request.state.invocation_target = "jsonlines"
     content = b"".join(line + b"\n" for line in lines)
     return Response(content, media_type=JSONLINES_MEDIA_TYPE)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _stop(invocation: _Invocation, tasks: list[asyncio.Future[bytes]], gathered: asyncio.Future[Any]) -> None:
+    invocation.cancel()
+    for task in tasks:
+        task.cancel()
+    gathered.cancel()
