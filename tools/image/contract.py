@@ -77,6 +77,7 @@ LIVE_TESTS = (
     "tests/server/test_live_faults.py",
     "tests/server/test_live_batch_transform.py",
     "tests/server/test_live_proxy.py",
+    "tests/server/test_live_chat_parity.py",
 )
 BACKEND_LINE = re.compile(r"llama\.cpp backends: .* from (?P<libraries>[^\n]+)")
 CPU_VARIANT = re.compile(r"libggml-cpu-(?P<variant>[\w.]+)\.so")
