@@ -292,6 +292,33 @@ class RoutingConfig(_Strict):
     )
 
 
+class AsyncInferenceSettings(_Strict):
+    """The endpoint config's AsyncInferenceConfig and its scale-to-zero autoscaling
+    (`invocation: async`; stacks/async_inference.py)."""
+
+    max_concurrent_invocations_per_instance: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description="MaxConcurrentInvocationsPerInstance; default: the container's queue_size (its capacity: "
+        "more at once would be refused with 429).",
+    )
+    invocation_timeout_s: int = Field(
+        3600,
+        ge=1,
+        le=3600,
+        description="The InvocationTimeoutSeconds clients should send (decide-batch async does); the "
+        "container's deadline is this less 5 s unless container.deadline_seconds is set.",
+    )
+    min_capacity: int = Field(0, ge=0, le=100, description="Autoscaling lower bound: 0 scales to zero.")
+    backlog_per_instance: float = Field(
+        4.0, gt=0, le=1000, description="Target tracking on ApproximateBacklogSizePerInstance."
+    )
+    scale_up_from_zero_cooldown_s: int = Field(
+        300, ge=0, le=3600, description="Cooldown of the step policy on HasBacklogWithoutCapacity."
+    )
+
+
 class ImageBuildConfig(_Strict):
     compute_type: Literal[
         "BUILD_GENERAL1_MEDIUM", "BUILD_GENERAL1_LARGE", "BUILD_GENERAL1_XLARGE", "BUILD_GENERAL1_2XLARGE"
@@ -437,6 +464,22 @@ class VariantConfig(_Strict):
     )
     model_s3_uri: str | None = Field(
         None, description="Prebuilt model prefix s3://bucket/prefix/: skips staging. Global: model_s3_uri."
+    )
+    invocation: Literal["realtime", "async"] = Field(
+        "realtime",
+        description="realtime (InvokeEndpoint) or async (AsyncInferenceConfig: InvokeEndpointAsync only, "
+        "results in S3, SNS notifications, scale to zero). An endpoint is one or the other.",
+    )
+    async_inference: AsyncInferenceSettings = AsyncInferenceSettings()
+    batch_transform: bool = Field(
+        False,
+        description="Let Batch Transform jobs of this Model (decide-batch) read batch/<endpoint>/input/ and "
+        "write batch/<endpoint>/output/ in the artifacts bucket (stacks/client_access.py).",
+    )
+    openai_path_policy: bool = Field(
+        False,
+        description="A managed policy (output OpenAiPathPolicyArn) for callers of SageMaker's "
+        "OpenAI-compatible chat path: sagemaker:CallWithBearerToken and InvokeEndpoint on this endpoint.",
     )
     image_build: ImageBuildConfig = ImageBuildConfig()
     deployment: DeploymentConfig = DeploymentConfig()

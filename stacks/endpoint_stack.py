@@ -11,12 +11,15 @@ from aws_cdk import Aws, CfnOutput, Fn, Stack, Tags
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
+from stacks.async_inference import AsyncInference, async_environment
+from stacks.client_access import OpenAiPathPolicy, grant_batch_transform
 from stacks.config import (
     IMAGE_URI_RE,
     S3_PREFIX_RE,
     AppConfig,
     VariantConfig,
     container_environment,
+    container_settings,
     cost_tags,
     deployed_image_parameter,
 )
@@ -49,6 +52,15 @@ def invoke_command(endpoint_name: str, region: str) -> str:
     )
 
 
+def async_invoke_command(endpoint_name: str, region: str, timeout_s: int) -> str:
+    return (
+        f"decide-batch --region {region} async --endpoint {endpoint_name} --input request.json --wait  # or: "
+        f"aws sagemaker-runtime invoke-endpoint-async --region {region} --endpoint-name {endpoint_name} "
+        "--content-type application/json --custom-attributes route=/v1/systemone "
+        f"--invocation-timeout-seconds {timeout_s} --input-location s3://…/async/{endpoint_name}/input/request.json"
+    )
+
+
 class EndpointStack(Stack):
     """One endpoint variant (the `variant` argument picks `cpu` or `gpu` from the config)."""
 
@@ -78,14 +90,26 @@ class EndpointStack(Stack):
             variant=variant,
             image=image,
             model=model,
-            environment=container_environment(variant, config.model),
+            environment=async_environment(variant, container_environment(variant, config.model)),
             data_capture_bucket=image_stack.artifacts_bucket_name,
             stack_tags=cost_tags(config, variant),
         )
+        self._client_access(variant, image_stack)
+        self.async_inference: AsyncInference | None = None
+        if variant.invocation == "async":
+            self.async_inference = AsyncInference(
+                self,
+                "Async",
+                endpoint=self.endpoint,
+                variant=variant,
+                bucket_name=image_stack.artifacts_bucket_name,
+                settings=container_settings(variant, config.model),
+            )
         if image.guard is not None:  # the image is checked and protected before the model uses it
             self.endpoint.model.node.add_dependency(image.guard)
         self.dashboard = EndpointDashboard(self, "Monitoring", variant=variant, alarms=self.endpoint.alarms)
-        if variant.deployment.synthetic_load_per_minute:
+        # An async endpoint refuses InvokeEndpoint: its canary cannot be fed synchronous requests.
+        if variant.deployment.synthetic_load_per_minute and variant.invocation == "realtime":
             self.bake_load = BakeLoad(
                 self,
                 "BakeLoad",
@@ -102,6 +126,8 @@ class EndpointStack(Stack):
             endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
             rollback_alarms=[alarm.alarm_name for alarm in self.endpoint.alarms.rollback_alarms],
         )
+        if variant.invocation == "async":  # InvokeEndpoint is refused there: check the config only
+            self.check.resource.node.default_child.add_property_override("Invocation", "async")  # type: ignore[union-attr]
         # Written only after the check passed (a rollback restores the previous value); the next
         # deploy reads it to keep an image pinned with `-c image_uri` (stacks/handlers/codebuild_job.py).
         self.record = ssm.StringParameter(
@@ -113,6 +139,15 @@ class EndpointStack(Stack):
         )
         self.record.node.add_dependency(self.check)
         self._outputs(image, model)
+
+    def _client_access(self, variant: VariantConfig, image_stack: ImageStack) -> None:
+        """Opt-in grants for Batch Transform and SageMaker's OpenAI-compatible path (client_access.py)."""
+        if variant.batch_transform:
+            grant_batch_transform(
+                self.endpoint.execution.role, variant=variant, bucket_name=image_stack.artifacts_bucket_name
+            )
+        if variant.openai_path_policy:
+            OpenAiPathPolicy(self, "OpenAiPath", variant=variant)
 
     def _image(self, variant: VariantConfig, config: AppConfig, image_stack: ImageStack) -> ImageLocation:
         if variant.image_uri:
@@ -185,12 +220,23 @@ class EndpointStack(Stack):
             value=self.variant.alarms.email or f"NONE: {unsubscribed(self.variant)}",
             description="Who hears of an ALARM (-c <variant>.alarms.email)",
         )
-        CfnOutput(
-            self,
-            "InvokeCommand",
-            value=invoke_command(name, Aws.REGION),
-            description="Try the endpoint (decision route); drop --custom-attributes for body-shape routing",
-        )
+        if self.variant.invocation == "async":
+            CfnOutput(
+                self,
+                "InvokeCommand",
+                value=async_invoke_command(
+                    name, Aws.REGION, self.variant.async_inference.invocation_timeout_s
+                ),
+                description="Try the async endpoint: upload a request body to AsyncInputS3Uri first",
+            )
+        else:
+            CfnOutput(
+                self,
+                "InvokeCommand",
+                value=invoke_command(name, Aws.REGION),
+                description="Try the endpoint (decision route); "
+                "drop --custom-attributes for body-shape routing",
+            )
         CfnOutput(
             self,
             "DashboardUrl",

@@ -74,6 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup failed: %s", describe_settings_error(exc))
         return EXIT_INVALID_SETTINGS
     configure_logging(settings.log_level)
+    from decider.server.batch_transform import batch_settings  # SAGEMAKER_BATCH=true: the job's deadline
+
+    try:
+        settings = batch_settings(settings)
+    except ValueError as exc:
+        log.error("startup failed: %s", exc)
+        return EXIT_INVALID_SETTINGS
     log.info(
         "decider %s starting on %s:%d (model %s, queue %d, deadline %gs)",
         __version__,

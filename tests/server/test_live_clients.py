@@ -205,3 +205,19 @@ def test_several_concurrent_clients_without_errors(live_server: LocalServer) -> 
         statuses = [status for future in futures for status in future.result()]
     assert statuses == [200] * 8
     assert httpx.get(f"{live_server.base_url}/ping").status_code == 200
+
+
+def test_openai_sdk_chat_as_sagemakers_openai_path_sends_it(live_server: LocalServer) -> None:
+    """SageMaker's OpenAI-compatible path (`…/endpoints/<ep>/openai/v1/chat/completions`) reaches the
+    container's `/v1/chat/completions` by path: `model=""` as its examples send, a bearer token that may
+    or may not be forwarded (ignored without DECIDER_API_KEY), plain and streamed."""
+    token = "sagemaker-api-key-" + "QUJD" * 40  # the shape of generate_token()'s token
+    client = openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key=token, max_retries=0, timeout=60)
+    plain = client.chat.completions.create(model="", **CHAT)
+    assert plain.model == _served_id(live_server) and plain.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="", stream=True, **CHAT))
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == plain.choices[0].message.content
+    )
+    assert chunks[-1].choices[0].finish_reason in {"stop", "length"}

@@ -387,3 +387,21 @@ def test_no_load_on_create_or_rollback_and_never_past_the_providers_limit(aws):
         event("Update", LOAD_PROPS, Data=data), clients=aws["clients"], now=after_grace
     )
     assert done["IsComplete"] is True
+
+
+def test_an_async_endpoint_is_checked_by_its_config_without_smoke_calls(aws):
+    """An async endpoint (invocation=async) refuses InvokeEndpoint: no smoke call is made (the
+    Stubber fails on any unexpected call); the live config must still be the stack's."""
+    endpoint(aws, "DeciderConfig-NEW")
+    props = {**CHECK_PROPS, "Invocation": "async"}
+    data = {"StartedAt": NOW.isoformat()}
+    done = codebuild_job.is_complete(event("Update", props, Data=data), clients=aws["clients"], now=NOW)
+    assert done == {
+        "IsComplete": True,
+        "Data": {"Result": "decider-cpu runs DeciderConfig-NEW (async: no smoke calls)"},
+    }
+    endpoint(aws, "DeciderConfig-OLD")
+    with pytest.raises(
+        post_deploy_check.PostDeployCheckError, match="runs endpoint config DeciderConfig-OLD"
+    ):
+        codebuild_job.is_complete(event("Update", props, Data=data), clients=aws["clients"], now=NOW)

@@ -11,7 +11,9 @@
    backend variant llama.cpp loaded, resident memory, the read-only mount and PID 1.
 3. The live-server tests (`tests/server`: openai SDK plain and streaming, typesafe-sdk,
    /invocations with and without CustomAttributes, bad input, load with /ping polled) run against
-   the container's URL (DECIDER_TEST_BASE_URL).
+   the container's URL (DECIDER_TEST_BASE_URL), decider-proxy and Batch Transform included.
+   Batch Transform (`tools.image.batch_contract`): `/execution-parameters`, and JSON Lines in and
+   out through the local stand-in of the service with one bad line among good ones.
 4. `docker stop` (SIGTERM, SIGKILL after 30 s as on SageMaker) while two requests are in flight:
    both complete, the container exits 0 within the grace period.
 5. The image again under `--network none` (SageMaker's network isolation): /ping 200 from inside
@@ -43,6 +45,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from tools.image.batch_contract import check_batch_transform
 from tools.image.docker import Container, Docker, DockerError
 from tools.image.template import (
     MODEL_FILE_ENV,
@@ -72,6 +75,9 @@ LIVE_TESTS = (
     "tests/server/test_live_decisions.py",
     "tests/server/test_live_fuzz.py",
     "tests/server/test_live_faults.py",
+    "tests/server/test_live_batch_transform.py",
+    "tests/server/test_live_proxy.py",
+    "tests/server/test_live_chat_parity.py",
 )
 BACKEND_LINE = re.compile(r"llama\.cpp backends: .* from (?P<libraries>[^\n]+)")
 CPU_VARIANT = re.compile(r"libggml-cpu-(?P<variant>[\w.]+)\.so")
@@ -535,6 +541,8 @@ def run_contract(image: str, *, live_tests: bool, console: Console) -> int:
             )
             rss = vm_rss_mib(main)
             report.fact("resident memory after the live tests", f"{rss:.0f} MiB" if rss else "unknown")
+        console.print("[bold]Batch Transform (/execution-parameters, JSON Lines)[/bold]")
+        guarded(report, "Batch Transform", lambda: check_batch_transform(report, base_url))
         console.print("[bold]docker stop with requests in flight[/bold]")
         check_drain_on_stop(report, main, base_url)
 

@@ -362,6 +362,18 @@ class LlamaRuntime:
             result.argmax = int(np.argmax(logits))
         return result
 
+    @property
+    def vocab(self) -> Any:
+        """The model's vocabulary handle (chat grammar samplers are built on it)."""
+        return self._vocab
+
+    def logits_at(self, batch_index: int) -> np.ndarray:
+        """A view of the last decode's full-vocabulary logits at `batch_index` (chat logprobs)."""
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
+        if not ptr:
+            raise NativeError("llama.cpp returned no logits")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
     def sample(self, sampler: Any, batch_index: int) -> int:
         """Sample the next token of a chat row from the last decode's logits at `batch_index`."""
         return int(llama_cpp.llama_sampler_sample(sampler, self._ctx, batch_index))

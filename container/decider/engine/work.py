@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from decider.engine import chat_options
 from decider.engine.cost import Cost, span_attended
 from decider.engine.decisions import DecisionPlan, DecisionPlanner, Item, Prefix, StatePlan
 from decider.engine.generation import (
@@ -457,6 +458,8 @@ class ChatPlan:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    grammar: str | None = None  # GBNF constraining the output (response_format; chat_options)
+    top_logprobs: int | None = None  # None: no logprobs; else logprobs with this many alternatives
 
     @property
     def cost(self) -> Cost:
@@ -500,6 +503,7 @@ class ChatWork:
         self._sampler: Any = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopFilter(plan.stop)
+        self.logprobs: list[chat_options.TokenLogprob] = []  # with plan.top_logprobs, one per token
 
     @property
     def cost(self) -> Cost:
@@ -559,7 +563,10 @@ class ChatWork:
             if not step.starts_allowed or not step.may_hold_sequence() or step.cells_left < need:
                 return
             self._seq = step.seqs.acquire()
-            self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed)
+            grammar = None
+            if self.plan.grammar is not None:  # checked while planning: llama.cpp accepts it
+                grammar = chat_options.grammar_sampler(step.memory.vocab, self.plan.grammar)  # type: ignore[attr-defined]
+            self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed, grammar)
             step.cells_left -= need
         assert self._seq is not None
         prompt = self.plan.prompt
@@ -598,6 +605,11 @@ class ChatWork:
         if runtime.is_eog(token):
             self._end(step, "stop")
             return
+        if self.plan.top_logprobs is not None:  # before the text event that carries this token
+            logits = runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
+            self.logprobs.append(
+                chat_options.token_logprobs(logits, token, self.plan.top_logprobs, runtime.piece)
+            )
         self._produced += 1
         text, stop_hit = self._stops.push(self._decoder.decode(runtime.piece(token)))
         self._say(text)

@@ -1,9 +1,11 @@
 """OpenAI-compatible chat completion request and response models.
 
-The request model accepts what the `openai` SDK sends. Parameters that would change the meaning
-of the answer and that we cannot honour (`n > 1`, tools, logprobs, JSON-schema response formats,
-non-text content parts) are refused with a clear `unsupported_parameter` error instead of being
-silently ignored; purely informational fields (`user`, `metadata`, `store`, …) are ignored.
+The request model accepts what the `openai` SDK sends, `logprobs` / `top_logprobs` and
+`response_format` (`text`, `json_object`, `json_schema`: llama.cpp grammars, see
+`decider.engine.chat_options`) included. Parameters that would change the meaning of the answer and
+that we cannot honour (`n > 1`, tools, other response formats, non-text content parts) are refused
+with a clear `unsupported_parameter` error naming the field instead of being silently ignored;
+purely informational fields (`user`, `metadata`, `store`, …) are ignored.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from decider.errors import RequestError
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length"]
 MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 class ChatMessage(BaseModel):
@@ -73,6 +77,7 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -108,13 +113,39 @@ class ChatCompletionRequest(BaseModel):
     def _refuse_unsupported(self) -> ChatCompletionRequest:
         if self.n != 1:
             raise _unsupported("n", "only n=1 is supported")
-        if self.logprobs:
-            raise _unsupported("logprobs", "logprobs are not supported on chat; use /v1/systemone")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         if self.tools or self.functions:
             raise _unsupported("tools", "tool and function calling are not supported")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", "only response_format type 'text' is supported")
+        if self.response_format is not None:
+            kind = self.response_format.get("type", "text")
+            if kind not in RESPONSE_FORMATS:
+                raise _unsupported(
+                    "response_format.type",
+                    f"response_format type {kind!r} is not supported; "
+                    f"use one of {', '.join(RESPONSE_FORMATS)}",
+                )
+            if kind == "json_schema":
+                spec = self.response_format.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise _unsupported(
+                        "response_format.json_schema.schema",
+                        "response_format json_schema needs json_schema.schema: a JSON schema object",
+                    )
         return self
+
+    def output_schema(self) -> tuple[str, dict[str, Any] | None] | None:
+        """None for plain text, ("json_object", None) or ("json_schema", schema)."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            return "json_object", None
+        if kind == "json_schema":
+            return "json_schema", self.response_format["json_schema"]["schema"]  # type: ignore[index]
+        return None
+
+    def logprobs_count(self) -> int | None:
+        """None without logprobs, else how many alternatives per token (`top_logprobs`, default 0)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -186,7 +217,7 @@ class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -208,10 +239,13 @@ def chat_chunk(
     usage: Usage | None = None,
     include_usage: bool = False,
     usage_only: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk` as OpenAI streams it (`usage` present only when asked for)."""
     choices = (
-        [] if usage_only else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        []
+        if usage_only
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     body: dict[str, Any] = {
         "id": completion_id,

@@ -1,4 +1,5 @@
-"""The ASGI application: SageMaker's `/ping` and `/invocations`, the decision routes (Jev's
+"""The ASGI application: SageMaker's `/ping`, `/invocations` and `/execution-parameters` (Batch
+Transform; JSON Lines on `/invocations`: `decider.server.batch_transform`), the decision routes (Jev's
 `/v1/systemone` and `/v1/systemone/batch`, OpenAI's `/v1/decisions`), the chat route,
 `/v1/models` and `/metrics`.
 
@@ -35,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decider.engine.scheduler import shutting_down
 from decider.errors import AuthenticationError, DeciderError, NotFoundError, RequestError, internal_error
+from decider.server.batch_transform import handle_execution_parameters, handle_jsonlines, is_jsonlines
 from decider.server.body import read_payload
 from decider.server.handlers import (
     ClientDisconnectedError,
@@ -235,6 +237,8 @@ def create_app(
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
     async def invocations(request: Request) -> Response:
+        if is_jsonlines(request.headers.get("content-type")):  # Batch Transform: one record per line
+            return await handle_jsonlines(runtime, request)
         attributes = parse_custom_attributes(request.headers.get(CUSTOM_ATTRIBUTES_HEADER))
         target = target_from_attributes(attributes)  # an unknown route fails before the body is read
         body = await read_payload(request, limit)
@@ -249,6 +253,8 @@ def create_app(
             return await handle_batch(runtime, request, body)
         if target == "openai_decision":
             return await handle_openai_decision(runtime, request, body)
+        if target == "models":
+            return await models(request)
         return await handle_chat(runtime, request, body)
 
     async def systemone(request: Request) -> Response:
@@ -289,6 +295,9 @@ def create_app(
             }
         )
 
+    async def execution_parameters(request: Request) -> Response:
+        return await handle_execution_parameters(runtime.settings)
+
     async def metrics(request: Request) -> Response:
         content, media_type = runtime.metrics.render()
         return Response(content, media_type=media_type)
@@ -302,6 +311,7 @@ def create_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/execution-parameters", execution_parameters, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

@@ -34,6 +34,7 @@ from decider.schemas.chat import (
 )
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
+from decider.server.chat_parity import logprobs_of, with_chat_options
 from decider.server.runtime import Engine, ServerRuntime
 
 log = logging.getLogger("decider.server")
@@ -179,18 +180,24 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
             stop=chat.stop_list(),
             seed=chat.seed,
         )
-        return chat, plan
+        return chat, with_chat_options(engine, chat, plan)  # response_format grammar, logprobs
 
     chat, plan = await asyncio.to_thread(prepare)
     if chat.stream:
         return await _stream_chat(runtime, request, engine, chat, plan)
-    text, finish, usage = await run_until_disconnect(runtime, request, "chat", ChatWork(plan))
+    work = ChatWork(plan)
+    text, finish, usage = await run_until_disconnect(runtime, request, "chat", work)
     _count_chat_tokens(runtime, usage)
+    choice = Choice(
+        message=AssistantMessage(content=text),
+        finish_reason=_wire_finish(finish),
+        logprobs=logprobs_of(plan, work.logprobs),
+    )
     completion = ChatCompletion(
         id=new_completion_id(),
         created=now_seconds(),
         model=engine.model_info.id,
-        choices=[Choice(message=AssistantMessage(content=text), finish_reason=_wire_finish(finish))],
+        choices=[choice],
         usage=Usage.of(usage.prompt_tokens, usage.completion_tokens),
     )
     return JSONResponse(completion.model_dump(mode="json"))
@@ -247,9 +254,19 @@ async def _stream_chat(
         if (exc := future.exception()) is not None:
             loop.call_soon_threadsafe(events.put_nowait, _Failure(exc))
 
-    job = enqueue(runtime, request, "chat", ChatWork(plan, emit))
+    work = ChatWork(plan, emit)
+    job = enqueue(runtime, request, "chat", work)
     assert job.future is not None
     job.future.add_done_callback(relay_failure)
+    logprobs_sent = 0
+
+    def new_logprobs() -> dict[str, Any] | None:
+        """The logprobs of the tokens generated since the last chunk (with `logprobs` asked for)."""
+        nonlocal logprobs_sent
+        entries = work.logprobs[logprobs_sent:]
+        logprobs_sent += len(entries)
+        return logprobs_of(plan, entries)
+
     deadline_seconds = runtime.settings.deadline_seconds
 
     async def next_event() -> Any:
@@ -286,10 +303,11 @@ async def _stream_chat(
                     raise event.exc
                 if event.finish_reason is None:
                     if event.text:
-                        yield sse_chunk({"content": event.text})
+                        yield sse_chunk({"content": event.text}, logprobs=new_logprobs())
                 else:
                     _count_chat_tokens(runtime, event.usage)
-                    yield sse_chunk({}, finish_reason=_wire_finish(event.finish_reason))
+                    finish = _wire_finish(event.finish_reason)
+                    yield sse_chunk({}, finish_reason=finish, logprobs=new_logprobs())
                     if include_usage:
                         usage = Usage.of(event.usage.prompt_tokens, event.usage.completion_tokens)
                         yield sse_chunk({}, usage=usage, usage_only=True)

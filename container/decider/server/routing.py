@@ -2,7 +2,8 @@
 
 SageMaker forwards `CustomAttributes` verbatim as the `X-Amzn-SageMaker-Custom-Attributes`
 header. A `route=` entry there picks the handler from an allow-list (the convention of the AWS
-llama.cpp container); without one, the body's shape decides: `input` with a list of `questions`
+llama.cpp container; `route=/v1/models` answers as `GET /v1/models` does, for `decider-proxy`);
+without one, the body's shape decides: `input` with a list of `questions`
 means OpenAI's Decisions API, other `questions` a Jev decision (with `states` instead of `state`:
 the batch route), `messages` chat.
 """
@@ -14,12 +15,13 @@ from typing import Any, Literal
 from decider.errors import NotFoundError, RequestError
 
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
-Target = Literal["decision", "batch", "openai_decision", "chat"]
+Target = Literal["decision", "batch", "openai_decision", "chat", "models"]
 ROUTES: dict[str, Target] = {
     "/v1/systemone": "decision",
     "/v1/systemone/batch": "batch",
     "/v1/decisions": "openai_decision",
     "/v1/chat/completions": "chat",
+    "/v1/models": "models",  # by `route=` only (decider-proxy's GET /v1/models); the body is ignored
 }
 TARGET_PATHS: dict[Target, str] = {target: path for path, target in ROUTES.items()}
 

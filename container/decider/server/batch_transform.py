@@ -1,0 +1,296 @@
+"""SageMaker Batch Transform: `GET /execution-parameters` and JSON Lines on `POST /invocations`.
+
+With `SplitType=Line` and `BatchStrategy=MultiRecord`, Batch Transform packs as many whole input
+lines as fit under `MaxPayloadInMB` into one `POST /invocations` whose `Content-Type` is the job's
+(`application/jsonlines`). Each line is one decision request (`/v1/systemone`, or by its shape an
+OpenAI decision or a `/v1/systemone/batch` body). The answer has one line per input line, in the
+same order: the route's response, or the usual error body for that record alone. The invocation
+itself answers 200 unless the payload as a whole cannot be read (too large, bad encoding): Batch
+Transform fails the whole job on a failed invocation, so one malformed ticket must never do that.
+
+`SAGEMAKER_BATCH=true` (set by the service) makes the deadline of every request the job's
+invocation timeout, less a margin to answer in: `DECIDER_BATCH_INVOCATION_TIMEOUT_SECONDS`, which
+`decide-batch` sets to the job's `InvocationsTimeoutInSeconds` (Batch Transform's default, 600 s,
+when unset), instead of the real-time 55 s. Records that cannot start before the invocation's
+deadline get a `deadline_exceeded` line each, and the invocation still answers in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from decider.errors import (
+    DeadlineExceededError,
+    DeciderError,
+    OverloadedError,
+    RequestError,
+    UnavailableError,
+)
+from decider.schemas.decision import parse_batch_request, parse_decision_request
+from decider.schemas.openai_decisions import parse_openai_decision_request
+from decider.server.body import decode_content, parse_json, read_body
+from decider.server.handlers import ClientDisconnectedError, internal_error
+from decider.server.routing import target_from_body
+from decider.settings import Settings
+
+log = logging.getLogger("decider.server")
+
+JSONLINES_TYPES = frozenset(
+    {"application/jsonlines", "application/jsonl", "application/x-jsonlines", "application/json-lines"}
+)
+JSONLINES_MEDIA_TYPE = "application/jsonlines"
+MIB = 1024 * 1024
+BATCH_ENV = "SAGEMAKER_BATCH"
+INVOCATION_TIMEOUT_ENV = "DECIDER_BATCH_INVOCATION_TIMEOUT_SECONDS"
+DEFAULT_INVOCATION_TIMEOUT_SECONDS = 600  # Batch Transform's default InvocationsTimeoutInSeconds
+MAX_INVOCATION_TIMEOUT_SECONDS = 3600
+ANSWER_MARGIN_SECONDS = 5.0  # the deadline is the timeout less this: time to send the answer
+MAX_PAYLOAD_LIMIT_MB = 100  # Batch Transform's ceiling for MaxPayloadInMB
+CPU_PAYLOAD_MB = 1  # ~480 JevBench records: ~30 min at 4 s a record on 2 cores
+GPU_PAYLOAD_MB = 6
+RETRY_PAUSE_SECONDS = 0.5  # a record refused as overloaded waits this long (doubling) and retries
+
+
+def is_batch_environment(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return env.get(BATCH_ENV, "").strip().lower() == "true"
+
+
+def invocation_timeout_seconds(environ: Mapping[str, str] | None = None) -> float:
+    env = os.environ if environ is None else environ
+    raw = env.get(INVOCATION_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return float(DEFAULT_INVOCATION_TIMEOUT_SECONDS)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{INVOCATION_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not 1 <= value <= MAX_INVOCATION_TIMEOUT_SECONDS:
+        raise ValueError(f"{INVOCATION_TIMEOUT_ENV}={raw!r} must be 1-{MAX_INVOCATION_TIMEOUT_SECONDS}")
+    return value
+
+
+def batch_settings(settings: Settings, environ: Mapping[str, str] | None = None) -> Settings:
+    """Under Batch Transform (`SAGEMAKER_BATCH=true`), the deadline follows the invocation timeout,
+    unless `DECIDER_DEADLINE_SECONDS` is set explicitly."""
+    env = os.environ if environ is None else environ
+    if not is_batch_environment(env) or "deadline_seconds" in settings.model_fields_set:
+        return settings
+    timeout = invocation_timeout_seconds(env)
+    deadline = max(1.0, timeout - ANSWER_MARGIN_SECONDS) if timeout > 2 * ANSWER_MARGIN_SECONDS else timeout
+    log.info("Batch Transform: the deadline is %g s (invocation timeout %g s)", deadline, timeout)
+    return settings.model_copy(update={"deadline_seconds": deadline})
+
+
+# --- GET /execution-parameters --------------------------------------------------------------------
+
+
+def execution_parameters(settings: Settings) -> dict[str, Any]:
+    """What Batch Transform should send: two invocations at a time (one decoding, the next one in
+    transit: they share one engine), MultiRecord, and payloads small enough to finish within the
+    invocation timeout (1 MB on CPU, 6 MB with GPU offload)."""
+    concurrent = 2 if settings.queue_size >= 2 else 1
+    payload_mb = GPU_PAYLOAD_MB if settings.n_gpu_layers != 0 else CPU_PAYLOAD_MB
+    payload_mb = max(1, min(payload_mb, MAX_PAYLOAD_LIMIT_MB // concurrent))
+    return {
+        "MaxConcurrentTransforms": concurrent,
+        "BatchStrategy": "MULTI_RECORD",
+        "MaxPayloadInMB": payload_mb,
+    }
+
+
+async def handle_execution_parameters(settings: Settings) -> Response:
+    return JSONResponse(execution_parameters(settings))
+
+
+# --- POST /invocations, application/jsonlines ------------------------------------------------------
+
+
+def is_jsonlines(content_type: str | None) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() in JSONLINES_TYPES
+
+
+def payload_limit(settings: Settings, environ: Mapping[str, str] | None = None) -> int:
+    """The job's `SAGEMAKER_MAX_PAYLOAD_IN_MB` when the service set one, else what we asked for,
+    never below the real-time body cap."""
+    env = os.environ if environ is None else environ
+    raw = env.get("SAGEMAKER_MAX_PAYLOAD_IN_MB", "").strip()
+    megabytes = (
+        int(raw) if raw.isdigit() and int(raw) > 0 else execution_parameters(settings)["MaxPayloadInMB"]
+    )
+    return max(settings.max_body_bytes, min(megabytes, MAX_PAYLOAD_LIMIT_MB) * MIB)
+
+
+def split_records(data: bytes) -> list[bytes]:
+    """One record per line (`\\n` or `\\r\\n`); a final newline does not start a record."""
+    if not data:
+        return []
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+
+def records_in_flight(settings: Settings) -> int:
+    """Records of one invocation admitted at once: its share of the queue, so that the invocations
+    Batch Transform sends together never fill it."""
+    concurrent = execution_parameters(settings)["MaxConcurrentTransforms"]
+    return max(1, settings.queue_size // concurrent)
+
+
+def _line(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _record_target(body: Any) -> str:
+    """By shape, as `/invocations` routes; a record that looks like nothing is a `/v1/systemone`
+    request (so its error names what is missing)."""
+    if isinstance(body, dict) and "questions" not in body and "messages" not in body:
+        return "decision"
+    return target_from_body(body)
+
+
+class _Invocation:
+    """The records of one JSON Lines invocation, decided concurrently, answered in order."""
+
+    def __init__(self, runtime: Any, request_id: str, arrived_at: float | None) -> None:
+        self.runtime = runtime
+        self.request_id = request_id
+        self.settings: Settings = runtime.settings
+        self.arrived_at = time.monotonic() if arrived_at is None else arrived_at  # every record's clock
+        self.deadline = self.arrived_at + self.settings.deadline_seconds
+        self.jobs: set[Any] = set()
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    async def decide(self, index: int, record: bytes, slots: asyncio.Semaphore) -> bytes:
+        try:
+            async with slots:
+                return _line(await self._decide(index, record))
+        except DeciderError as exc:
+            return _line(exc.to_wire())
+        except Exception as exc:  # a bug: the record's line says so, the others are answered
+            log.exception("record %d of %s failed", index, self.request_id)
+            return _line(internal_error(exc).to_wire())
+
+    async def _decide(self, index: int, record: bytes) -> dict[str, Any]:
+        if not record.strip():
+            raise RequestError(
+                f"line {index + 1} is empty; send one JSON request per line", code="empty_record"
+            )
+        body = await asyncio.to_thread(parse_json, record)
+        target = _record_target(body)
+        if target not in {"decision", "batch", "openai_decision"}:
+            raise RequestError(
+                "a Batch Transform record must be a decision request (`/v1/systemone`, "
+                "`/v1/systemone/batch` or `/v1/decisions`); chat is not served in bulk",
+                code="unsupported_record",
+            )
+        engine = self.runtime.require_engine()
+        limits = {
+            "max_questions": self.settings.max_questions,
+            "max_options": self.settings.max_options,
+            "max_permutations": self.settings.max_permutations,
+        }
+        translated: Any = None
+
+        def prepare() -> Any:
+            nonlocal translated
+            if target == "batch":
+                parsed = parse_batch_request(body, max_states=self.settings.max_batch_states, **limits)
+                return engine.plan_batch(parsed)
+            if target == "openai_decision":
+                translated = parse_openai_decision_request(body, **limits)
+                try:
+                    return engine.plan_decision(translated.request)
+                except RequestError as exc:
+                    raise translated.relocate(exc) from None
+            return engine.plan_decision(parse_decision_request(body, **limits))
+
+        plan = await asyncio.to_thread(prepare)
+        response = await self._run(f"{self.request_id}-{index}", plan, engine)
+        self.runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
+        return translated.response(response) if translated is not None else response.to_wire()
+
+    async def _run(self, record_id: str, plan: Any, engine: Any) -> Any:
+        pause = RETRY_PAUSE_SECONDS
+        while True:
+            if self.remaining() <= 0:
+                raise DeadlineExceededError(
+                    f"the invocation's {self.settings.deadline_seconds:g} s deadline passed before this "
+                    "record could start; send fewer records per payload (MaxPayloadInMB) or raise "
+                    "InvocationsTimeoutInSeconds",
+                    code="deadline_exceeded",
+                    retryable=True,
+                )
+            work = engine.decision_work(plan)
+            try:  # admitted and submitted at once, its deadline the invocation's
+                job = self.runtime.scheduler.enqueue("decision", record_id, work, arrived_at=self.arrived_at)
+            except (OverloadedError, UnavailableError) as exc:
+                if not exc.retryable or self.remaining() <= pause or exc.code == "shutting_down":
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 8.0)
+                continue
+            break
+        self.jobs.add(job)
+        try:
+            return await self.runtime.scheduler.wait(job, job.future)
+        finally:
+            self.jobs.discard(job)
+
+    def cancel(self) -> None:
+        for job in list(self.jobs):
+            job.cancel()
+
+
+async def handle_jsonlines(runtime: Any, request: Request) -> Response:
+    """`POST /invocations` with `Content-Type: application/jsonlines`: one answer line per record."""
+    settings: Settings = runtime.settings
+    runtime.require_engine()  # not ready (loading, stopping): 503 for the whole invocation, which is retried
+    limit = payload_limit(settings)
+    raw = await read_body(request, limit)
+    data = await asyncio.to_thread(decode_content, raw, request.headers.get("content-encoding"), limit)
+    records = split_records(data)
+    invocation = _Invocation(runtime, request.state.request_id, getattr(request.state, "arrived_at", None))
+    slots = asyncio.Semaphore(records_in_flight(settings))
+    tasks = [asyncio.ensure_future(invocation.decide(i, record, slots)) for i, record in enumerate(records)]
+    gathered = asyncio.ensure_future(asyncio.gather(*tasks))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        done = set()
+        watcher.cancel()
+        _stop(invocation, tasks, gathered)
+        raise
+    watcher.cancel()
+    if gathered not in done:  # the caller went away (Batch Transform gave up): stop its records
+        _stop(invocation, tasks, gathered)
+        raise ClientDisconnectedError
+    lines = gathered.result()
+    request.state.invocation_target = "jsonlines"
+    content = b"".join(line + b"\n" for line in lines)
+    return Response(content, media_type=JSONLINES_MEDIA_TYPE)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _stop(invocation: _Invocation, tasks: list[asyncio.Future[bytes]], gathered: asyncio.Future[Any]) -> None:
+    invocation.cancel()
+    for task in tasks:
+        task.cancel()
+    gathered.cancel()

@@ -1,0 +1,43 @@
+"""What a chat request asks beyond text (issue 18), onto its plan: the grammar of its
+`response_format` and its `logprobs` / `top_logprobs` (decider.engine.chat_options).
+
+Runs in the handler's planning step (a worker thread): the grammar is compiled once against the
+model's vocabulary there, so a schema llama.cpp cannot use is a 422 `invalid_response_format`
+naming the field before the request takes a place in the queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from decider.engine import chat_options
+from decider.engine.work import ChatPlan
+from decider.errors import RequestError
+from decider.schemas.chat import ChatCompletionRequest
+
+
+def with_chat_options(engine: Any, chat: ChatCompletionRequest, plan: ChatPlan) -> ChatPlan:
+    spec = chat.output_schema()
+    grammar: str | None = None
+    if spec is not None:
+        kind, schema = spec
+        param = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
+        try:
+            grammar = (
+                chat_options.schema_grammar(schema or {})
+                if kind == "json_schema"
+                else (chat_options.json_object_grammar())
+            )
+            chat_options.check_grammar(engine.runtime.vocab, grammar)
+        except chat_options.GrammarError as exc:
+            raise RequestError(str(exc), code="invalid_response_format", param=param) from None
+    top_logprobs = chat.logprobs_count()
+    if grammar is None and top_logprobs is None:
+        return plan
+    return dataclasses.replace(plan, grammar=grammar, top_logprobs=top_logprobs)
+
+
+def logprobs_of(plan: ChatPlan, entries: list[chat_options.TokenLogprob]) -> dict[str, Any] | None:
+    """`choices[].logprobs` when the request asked for them, else None."""
+    return chat_options.logprobs_wire(entries) if plan.top_logprobs is not None else None

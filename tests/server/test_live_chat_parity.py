@@ -1,0 +1,130 @@
+"""Chat parity with llama-server (AWS's llama.cpp container), with the openai SDK against the real
+server on the bundled model: logprobs and top_logprobs (plain and streamed), response_format with a
+JSON schema through llama.cpp's grammar, several stop strings; refusals are 4xx naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tools.local_server import LocalServer
+
+pytestmark = [pytest.mark.server, pytest.mark.model]
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+COLOUR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+        "sure": {"type": "boolean"},
+    },
+    "required": ["colour", "sure"],
+    "additionalProperties": False,
+}
+
+
+def _client(server: LocalServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_logprobs_and_top_logprobs(live_server: LocalServer) -> None:
+    client = _client(live_server)
+    params = {"model": "", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    completion = client.chat.completions.create(**params, top_logprobs=3)
+    choice = completion.choices[0]
+    entries = choice.logprobs.content
+    assert completion.usage is not None and len(entries) == completion.usage.completion_tokens
+    assert b"".join(bytes(entry.bytes) for entry in entries).decode() == choice.message.content
+    for entry in entries:
+        assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 3
+        tops = [top.logprob for top in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the likeliest
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**params, top_logprobs=3, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [
+        (e.token, round(e.logprob, 5)) for e in entries
+    ]
+    bare = client.chat.completions.create(**params)
+    assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * len(entries)
+    plain = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+
+
+def test_response_format_json_schema_constrains_the_output(live_server: LocalServer) -> None:
+    client = _client(live_server)
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "colour", "schema": COLOUR_SCHEMA, "strict": True},
+    }
+    for seed in (1, 2):
+        completion = client.chat.completions.create(
+            model="", messages=MESSAGES, max_tokens=40, seed=seed, response_format=response_format
+        )
+        assert completion.choices[0].finish_reason == "stop", completion
+        answer = json.loads(completion.choices[0].message.content)
+        assert set(answer) == {"colour", "sure"} and answer["colour"] in {"red", "green", "blue"}
+        assert isinstance(answer["sure"], bool)
+    streamed = client.chat.completions.create(
+        model="", messages=MESSAGES, max_tokens=40, seed=1, response_format=response_format, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert json.loads(text)["colour"] in {"red", "green", "blue"}
+    as_object = client.chat.completions.create(
+        model="", messages=MESSAGES, max_tokens=8, seed=1, response_format={"type": "json_object"}
+    )
+    assert as_object.choices[0].message.content.lstrip().startswith(("{", "["))
+
+
+def test_several_stop_strings(live_server: LocalServer) -> None:
+    client = _client(live_server)
+    free = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=24, temperature=0)
+    text = free.choices[0].message.content
+    stops = [",", ".", "\n", "!"]
+    cut = client.chat.completions.create(
+        model="", messages=MESSAGES, max_tokens=24, temperature=0, stop=stops
+    )
+    content = cut.choices[0].message.content
+    assert not any(stop in content for stop in stops)
+    assert text.startswith(content)
+    if any(stop in text for stop in stops):
+        first = min(text.index(stop) for stop in stops if stop in text)
+        assert content == text[:first] and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("params", "param", "code"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs", "unsupported_parameter"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_parameter"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_parameter"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "unsupported_parameter"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+            "unsupported_parameter",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "invalid_response_format",
+        ),
+    ],
+)
+def test_refusals_are_4xx_naming_the_field(
+    live_server: LocalServer, params: dict, param: str, code: str
+) -> None:
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        _client(live_server).chat.completions.create(model="", messages=MESSAGES, max_tokens=4, **params)
+    assert (refused.value.param, refused.value.code) == (param, code)

@@ -1,0 +1,85 @@
+"""The opt-in grants of issue 18 (stacks/client_access.py) on a synth that turns them on: Batch
+Transform's S3 input/output and logs for decide-batch, and the managed policy for callers of
+SageMaker's OpenAI-compatible chat path; cdk-nag passes (the synth fails otherwise) and cfn-lint is
+clean. The default synth grants neither (the snapshots are unchanged)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from stack_helpers import Synth, only, resources, run_synth
+
+pytestmark = pytest.mark.cdk
+
+
+@pytest.fixture(scope="module")
+def synth_access(tmp_path_factory: pytest.TempPathFactory) -> Synth:
+    context = {"cpu.batch_transform": "true", "cpu.openai_path_policy": "true"}
+    return run_synth(tmp_path_factory.mktemp("cdk-client-access"), context)
+
+
+def _statements(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for policy in resources(template, "AWS::IAM::Policy").values():
+        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+            if "Sid" in statement:
+                out[statement["Sid"]] = statement
+    return out
+
+
+def _text(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def test_batch_transform_grants_the_input_output_and_logs_only(synth_access: Synth) -> None:
+    statements = _statements(synth_access.templates["CpuStack"])
+    assert statements["ReadBatchInput"]["Action"] == "s3:GetObject"
+    assert "batch/decider-cpu/input/*" in _text(statements["ReadBatchInput"]["Resource"])
+    assert sorted(statements["WriteBatchOutput"]["Action"]) == ["s3:AbortMultipartUpload", "s3:PutObject"]
+    assert "batch/decider-cpu/output/*" in _text(statements["WriteBatchOutput"]["Resource"])
+    assert statements["ListBatchInput"]["Condition"]["StringLike"]["s3:prefix"] == [
+        "batch/decider-cpu/input/*",
+        "batch/decider-cpu/output/*",
+    ]
+    assert "/aws/sagemaker/TransformJobs:log-stream:decide-cpu-*" in _text(statements["WriteBatchLogs"])
+    for statement in statements.values():
+        assert statement["Action"] not in ("s3:*", "*") and "Resource" in statement
+
+
+def test_openai_path_policy(synth_access: Synth) -> None:
+    template = synth_access.templates["CpuStack"]
+    policy = only(template, "AWS::IAM::ManagedPolicy")["Properties"]["PolicyDocument"]["Statement"]
+    by_sid = {statement["Sid"]: statement for statement in policy}
+    assert by_sid["BearerToken"] == {
+        "Action": "sagemaker:CallWithBearerToken",
+        "Effect": "Allow",
+        "Resource": "*",
+        "Sid": "BearerToken",
+    }
+    invoke = by_sid["InvokeThisEndpoint"]
+    assert sorted(invoke["Action"]) == [
+        "sagemaker:InvokeEndpoint",
+        "sagemaker:InvokeEndpointWithResponseStream",
+    ]
+    assert ":endpoint/decider-cpu" in _text(invoke["Resource"])
+    assert "OpenAiPathPolicyArn" in template["Outputs"]
+
+
+def test_off_by_default(synth: Synth) -> None:
+    for stack in ("CpuStack", "GpuStack"):
+        template = synth.templates[stack]
+        assert not resources(template, "AWS::IAM::ManagedPolicy")
+        assert "ReadBatchInput" not in _statements(template)
+        assert "OpenAiPathPolicyArn" not in template.get("Outputs", {})
+
+
+def test_cfn_lint_is_clean(synth_access: Synth) -> None:
+    from cfnlint.api import ManualArgs, lint
+
+    template = (synth_access.outdir / "CpuStack.template.json").read_text()
+    matches = lint(template, config=ManualArgs(regions=["us-east-1", "eu-west-1"]))
+    errors = [m for m in matches if m.rule.id.startswith("E")]
+    assert errors == [], "\n".join(f"{m.rule.id} {m.message} ({m.path})" for m in errors)

@@ -1,0 +1,1 @@
+"""`decide-batch`: decisions in bulk with SageMaker Batch Transform over JSON Lines."""
