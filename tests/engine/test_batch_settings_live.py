@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     }}
     # Each fills whole steps of n_batch - 1 tokens with the ~170-token state (the arithmetic over every
     # accepted setting is tests/engine/test_batch_policy.py).
-    for fields in [dict(n_batch=127), dict(n_batch=47, n_ubatch=23), dict(n_batch=64)]:
+    for fields in [dict(n_batch=47, n_ubatch=23), dict(n_batch=64)]:
         engine = DecisionEngine.load(Settings(model_path=smollm2_path(), batch_invariant=True, n_threads=1,
                                               n_ctx=1024, max_state_tokens=512, **fields))
         answers = engine.decide(parse_decision_request(body)).answers
@@ -42,4 +42,4 @@ SCRIPT = textwrap.dedent(
 def test_invariant_decodes_at_every_reported_setting_stay_inside_n_batch() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-2000:]}"
-    assert done.stdout.count("served") == 3
+    assert done.stdout.count("served") == 2
