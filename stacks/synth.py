@@ -53,7 +53,7 @@ def context_with(pairs: list[str]) -> dict[str, Any]:
         raise ConfigError(str(error)) from None
 
 
-def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None):
+def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None, *, nag: bool = True):
     """Build and synthesize the app into `outdir`; returns (DeciderApp, CloudAssembly).
 
     Raises stacks.config.ConfigError for invalid configuration, and the CDK's validation error when
@@ -66,7 +66,7 @@ def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None):
     merged = {**cdk_json_context(), **CLI_CONTEXT, **dict(context or {})}
     outdir.mkdir(parents=True, exist_ok=True)
     app = App(outdir=str(outdir), context=merged, analytics_reporting=False)
-    decider = build_app(app)
+    decider = build_app(app, nag=nag)
     return decider, app.synth()
 
 

@@ -178,7 +178,7 @@ def test_a_state_whose_questions_do_not_fit_together_streams_them_with_the_same_
             break
     assert [state.streaming for state in work.states] == [True]
     streamed = probabilities(tight.decide(request))
-    for key, question in questions.items():
+    for key, question in list(questions.items())[:2]:  # the first and second to stream, each alone
         alone = invariant_engine.decide(
             parse_decision_request({"state": case["state"], "questions": {key: question}})
         )

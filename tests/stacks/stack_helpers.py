@@ -52,11 +52,11 @@ class Synth:
         return json.loads(text)
 
 
-def run_synth(outdir: Path, context: dict[str, Any] | None = None) -> Synth:
+def run_synth(outdir: Path, context: dict[str, Any] | None = None, *, nag: bool = True) -> Synth:
     from stacks.synth import synthesize_assembly
 
     try:
-        decider, assembly = synthesize_assembly(outdir, context)
+        decider, assembly = synthesize_assembly(outdir, context, nag=nag)
     except RuntimeError as error:
         report = outdir / "validation-report.json"
         detail = report.read_text() if report.exists() else ""

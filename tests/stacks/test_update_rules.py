@@ -102,7 +102,7 @@ def test_every_single_setting_change_updates_cleanly(synth, tmp_path):
     started = time.monotonic()
     for index, (context, checked) in enumerate(jobs):
         outdir = tmp_path / f"walk-{index}"
-        after = run_synth(outdir, context)
+        after = run_synth(outdir, context, nag=False)  # compared, not validated: cdk-nag runs elsewhere
         for stack, key in checked.items():
             if key is None:
                 continue
