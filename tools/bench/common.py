@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -74,6 +75,17 @@ def argmax_agreement(a: Distributions, b: Distributions) -> tuple[int, int]:
     """(questions whose most probable option is the same in both, questions compared)."""
     same = sum(probs.index(max(probs)) == b[key].index(max(b[key])) for key, probs in a.items())
     return same, len(a)
+
+
+def run_clients_in_parallel(clients: int, client_loop: Callable[[], None]) -> float:
+    """Run `client_loop` on `clients` threads at once; the wall seconds until the last one ends."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
 
 
 def best_of(repeats: int, run: Callable[[], T]) -> tuple[float, T]:

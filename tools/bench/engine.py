@@ -122,6 +122,13 @@ class Timed:
     def rate(self) -> float:
         return ratio(self.questions, self.seconds)
 
+    def add(self, part: Timed) -> None:
+        """Count `part` (another request's run) in this one."""
+        self.seconds += part.seconds
+        self.questions += part.questions
+        self.tokens += part.tokens
+        self.answers.update(part.answers)
+
 
 # --- workloads ------------------------------------------------------------------------------------
 def build_w2(
@@ -214,14 +221,8 @@ def shared_and_raw(
     shared, raw = Timed(), Timed()
     for body in workload.bodies:
         one = Workload(workload.name, [body], workload.sample)
-        for total, part in (
-            (shared, decide_run(engine, one, "shared", repeats, sampled=False)),
-            (raw, raw_run(engine, plain, one, repeats)),
-        ):
-            total.seconds += part.seconds
-            total.questions += part.questions
-            total.tokens += part.tokens
-            total.answers.update(part.answers)
+        shared.add(decide_run(engine, one, "shared", repeats, sampled=False))
+        raw.add(raw_run(engine, plain, one, repeats))
     return shared, raw
 
 
@@ -336,12 +337,8 @@ def invariant_worker(args: argparse.Namespace) -> int:
         invariant, beside = Timed(), Timed()
         for body in workload.bodies:
             one = Workload(workload.name, [body], workload.sample)
-            for total, run_on in ((invariant, engine), (beside, default)):
-                part = decide_run(run_on, one, "shared", args.repeats, sampled=False)
-                total.seconds += part.seconds
-                total.questions += part.questions
-                total.tokens += part.tokens
-                total.answers.update(part.answers)
+            invariant.add(decide_run(engine, one, "shared", args.repeats, sampled=False))
+            beside.add(decide_run(default, one, "shared", args.repeats, sampled=False))
         result[workload.name] = {"shared": asdict(invariant), "default_shared": asdict(beside)}
     result["options"] = []
     for count in OPTION_COUNTS:

@@ -57,6 +57,7 @@ from tools.bench.common import (
     model_settings,
     ratio,
     request_body,
+    run_clients_in_parallel,
     same_questions_group,
     spread,
 )
@@ -223,13 +224,7 @@ def run_clients(
             target=_probe_ping, args=(base_url, stop, level, ping_interval), daemon=True
         )
         prober.start()
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    level.wall_seconds = time.perf_counter() - started
+    level.wall_seconds = run_clients_in_parallel(clients, client_loop)
     stop.set()
     if prober is not None:
         prober.join()

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from tools.bench.common import run_clients_in_parallel
 from tools.local_server import DEFAULT_HOST, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -181,11 +182,5 @@ def run_text_route(base_url: str, questions: list[TextQuestion], clients: int) -
                     with lock:
                         run.answers[(question.case, question.key)] = answer
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    run.wall_seconds = time.perf_counter() - started
+    run.wall_seconds = run_clients_in_parallel(clients, client_loop)
     return run
