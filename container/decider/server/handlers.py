@@ -55,9 +55,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 def enqueue(runtime: ServerRuntime, request: Request, kind: str, work: Any) -> Job:
     """Admit and submit the request's work in one call (nothing can cancel the handler in between),
     its deadline counted from the request's arrival."""
-    return runtime.scheduler.enqueue(
-        kind, request.state.request_id, work, arrived_at=request.state.arrived_at
-    )
+    arrived_at = getattr(request.state, "arrived_at", None)  # set by RequestContextMiddleware
+    return runtime.scheduler.enqueue(kind, request.state.request_id, work, arrived_at=arrived_at)
 
 
 async def run_until_disconnect(runtime: ServerRuntime, request: Request, kind: str, work: Any) -> Any:
