@@ -238,8 +238,32 @@ def test_the_text_route_line_compares_wall_times_and_argmax():
     from tools.bench.server import Level, text_route_line
     from tools.bench.text_route import TextRun
 
-    level = Level(clients=4, wall_seconds=10.0)
-    run = TextRun(clients=4, wall_seconds=15.0, answers={(0, "q"): 1, (0, "r"): 0, (1, "q"): 0})
+    level = Level(clients=4, wall_seconds=10.0, counters={"decider_engine_decode_tokens_sum": 900.0})
+    run = TextRun(
+        clients=4, wall_seconds=15.0, answers={(0, "q"): 1, (0, "r"): 0, (1, "q"): 0}, prompt_tokens=1200
+    )
     serial = {0: {"q": [0.2, 0.8], "r": [0.3, 0.7]}, 1: {"q": [0.9, 0.1]}}
     line = text_route_line(level, run, serial)
     assert "text_route=llama-server concurrency=4 decision_vs_text=1.50 argmax_agree=0.67" in line
+    assert line.endswith("text_prompt_tokens=1200 decision_tokens=900")
+
+
+def test_the_text_route_counts_the_prompt_tokens_llama_server_evaluated(monkeypatch):
+    """Every answered request adds its `timings.prompt_n` (what llama-server's cache did not hold)."""
+    import httpx
+
+    from tools.bench import text_route
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        top = [{"token": "A", "logprob": -0.1}, {"token": "B", "logprob": -2.0}]
+        body = {"choices": [{"logprobs": {"content": [{"top_logprobs": top}]}}], "timings": {"prompt_n": 7}}
+        return httpx.Response(200, json=body)
+
+    real_client = httpx.Client
+    monkeypatch.setattr(
+        text_route.httpx, "Client", lambda **kw: real_client(transport=httpx.MockTransport(reply), **kw)
+    )
+    questions = [text_route.TextQuestion(case, key, [], ["A", "B"]) for case in (0, 1) for key in "qr"]
+    run = text_route.run_text_route("http://127.0.0.1:1", questions, clients=2)
+    assert run.errors == 0 and run.prompt_tokens == 28
+    assert set(run.answers.values()) == {0}

