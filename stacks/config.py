@@ -591,7 +591,7 @@ class VariantConfig(_Strict):
     @classmethod
     def _container(cls, value: dict[str, Any]) -> dict[str, Any]:
         try:
-            Settings.model_validate(value)
+            Settings.from_values(value)
         except ValidationError as error:
             details = "; ".join(
                 ".".join(str(p) for p in item["loc"]) + ": " + item["msg"].removeprefix("Value error, ")
@@ -764,8 +764,7 @@ def container_settings(variant: VariantConfig, model: ModelArtifact) -> Settings
     pinned: dict[str, Any] = {}
     if variant.model_s3_uri is None:
         pinned = {"model_file": model.file, "model_sha256": model.sha256}
-    # model_validate, not Settings(...): the synth machine's DECIDER_* variables must not leak in.
-    return Settings.model_validate({**pinned, **variant.container})
+    return Settings.from_values({**pinned, **variant.container})
 
 
 def container_environment(variant: VariantConfig, model: ModelArtifact) -> dict[str, str]:

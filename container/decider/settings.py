@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     AliasChoices,
@@ -25,7 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from decider.engine.invariance import MAX_INVARIANT_UBATCH, BatchPolicy
 
@@ -241,6 +242,15 @@ class Settings(BaseSettings):
         return self.n_threads or max(1, os.cpu_count() or 1)
 
     @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> Settings:
+        """These values over the defaults, validated, with no variable of this process's environment.
+
+        `Settings(...)` and `Settings.model_validate(...)` both read DECIDER_*; the stacks must not, or
+        a synth machine's exported DECIDER_N_THREADS would land in the deployed model's environment.
+        """
+        return _ValuesOnly(**values)
+
+    @classmethod
     def env_name(cls, field: str) -> str:
         """The environment variable that sets `field`, e.g. `DECIDER_N_CTX` for `n_ctx`."""
         if field not in cls.model_fields:
@@ -279,3 +289,18 @@ class Settings(BaseSettings):
                 text = str(value)
             env[self.env_name(name)] = text
         return env
+
+
+class _ValuesOnly(Settings):
+    """Settings from init values and defaults only (`Settings.from_values`)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)

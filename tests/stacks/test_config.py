@@ -252,13 +252,24 @@ def test_container_environment_uses_the_settings_names_and_the_pinned_model():
     env = container_environment(config.gpu, config.model)
     assert (
         env
-        == Settings.model_validate(
+        == Settings.from_values(
             {"model_file": config.model.file, "model_sha256": config.model.sha256, **config.gpu.container}
         ).to_environment()
     )
     assert env[Settings.env_name("n_gpu_layers")] == "-1"
     assert env[Settings.env_name("model_sha256")] == config.model.sha256
     assert all(name.startswith("DECIDER_") for name in env)
+
+
+def test_the_synth_machines_decider_variables_never_reach_the_template(monkeypatch):
+    """A developer's exported DECIDER_* (e.g. from running the local server) is not a deploy setting."""
+    config = config_with()
+    clean = container_environment(config.cpu, config.model)
+    monkeypatch.setenv(Settings.env_name("n_threads"), "1")
+    monkeypatch.setenv(Settings.env_name("n_ctx"), "not a number")  # not even validated against
+    assert container_environment(config.cpu, config.model) == clean
+    assert Settings.env_name("n_threads") not in clean
+    assert config_with() == config  # the config's own container check ignores them too
 
 
 def test_prebuilt_model_drops_the_pinned_file_and_hash():
