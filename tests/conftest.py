@@ -1,12 +1,14 @@
 """Session-wide fixtures: the bundled model files, one SmolLM2 engine per batch mode, the JevBench cases.
 
 Loading a model takes about a second and a few hundred MB, so model tests share one engine per
-pytest session. The engine is not thread-safe; pytest runs tests one at a time.
+pytest session (one per worker process under pytest-xdist). The engine is not thread-safe; each
+worker runs its tests one at a time.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,25 @@ SHARED_DIR = REPO_ROOT.parent / "shared"
 JEVBENCH_240_CASES = (
     SHARED_DIR / "data" / "jevbench" / "jevbench-coherence-0.1.0" / "suites" / "jevbench-240" / "cases.jsonl"
 )
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """One process against a running server (DECIDER_TEST_BASE_URL, as `make image-test` runs
+    tests/server): its tests read the server's counters and time it, so workers would disturb each
+    other. None: pytest-xdist's own count."""
+    return 0 if os.environ.get("DECIDER_TEST_BASE_URL") else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's engines and servers get its share of the cores.
+
+    llama.cpp's threads wait on each other by spinning, so two workers with a thread per core each
+    would oversubscribe the machine. The servers the tests start inherit the variable. A
+    DECIDER_N_THREADS already set is kept.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("DECIDER_N_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 @pytest.fixture(scope="session")

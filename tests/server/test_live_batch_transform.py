@@ -61,10 +61,28 @@ def test_jevbench_with_malformed_records_joins_back_to_the_input(
         else:
             assert set(output["answers"]) == set(record["questions"])
     direct = httpx.post(f"{live_server.base_url}/v1/systemone", json=records[0], timeout=120).json()
-    assert joined[0]["SageMakerOutput"] == direct
+    _assert_same_answer(joined[0]["SageMakerOutput"], direct)
     summary = summarize(result.lines, seconds=result.seconds).as_dict()
     assert summary["answered"] == CASES and summary["errors"] == len(MALFORMED)
     assert summary["decisions"] == sum(len(r["questions"]) for r in records if not r["id"].startswith("bad-"))
+
+
+# A default server is not batch-invariant: a record decoded beside another differs from the same
+# request alone by rounding (docs/engine.md: |Δp| up to 0.05 in bench-server; a score's expectation
+# moved 0.054 here). The exact-bits check is the invariant server's (test_live_engine_traffic.py).
+COMPANY_ROUNDING = 0.1
+
+
+def _assert_same_answer(joined: Any, direct: Any, where: str = "") -> None:
+    """The same fields and values; probabilities and expectations equal up to COMPANY_ROUNDING."""
+    if isinstance(direct, dict):
+        assert isinstance(joined, dict) and joined.keys() == direct.keys(), where
+        for key, value in direct.items():
+            _assert_same_answer(joined[key], value, f"{where}.{key}")
+    elif isinstance(direct, float) and not isinstance(direct, bool):
+        assert joined == pytest.approx(direct, abs=COMPANY_ROUNDING), where
+    else:
+        assert joined == direct, where
 
 
 def test_lines_that_are_not_json(live_server: LocalServer, records: list[dict[str, Any]]) -> None:
