@@ -110,11 +110,40 @@ def test_a_chat_costs_a_step_per_generated_token() -> None:
     gate = threading.Event()
     engine.runtime.gate = gate
     chat = scheduler.enqueue("chat", "long", ChatWork(plan))  # 200 decodes of 10 ms at most: 2 s
-    with pytest.raises(UnavailableError) as refused:  # 1 decode, but behind up to 200 of the chat
-        scheduler.admit("decision", "behind", Cost(1, 5))
+    with pytest.raises(UnavailableError) as refused:  # 10 decodes, behind up to 200 of the chat
+        scheduler.admit("decision", "behind", Cost(10, 50))
     assert refused.value.code == "deadline_unreachable" and refused.value.retryable
     gate.set()
     chat.future.exception(5)  # type: ignore[union-attr]  # the 1 s deadline ends the generation
+    scheduler.close()
+
+
+def test_work_ahead_counts_only_until_its_own_deadline() -> None:
+    """A job is stopped at its deadline: behind it a request waits at most that long, and behind a
+    job already past it (answered 504, its work not yet dropped) or cancelled, not at all."""
+    engine = FakeEngine(decode_seconds=0.01, chat_tokens=1000)
+    scheduler = _scheduler(engine, deadline=1.0)
+    for size in (50, 400, 120):
+        _timed(scheduler, _work(engine, size))
+    gate = threading.Event()
+    engine.runtime.gate = gate
+    long_chat = ChatPlan(prompt=[1] * 10, max_tokens=5000)  # ~50 s of decodes, stopped at 1 s
+    chat = scheduler.enqueue("chat", "long", ChatWork(long_chat), arrived_at=time.monotonic() - 0.6)
+    scheduler.withdraw(scheduler.admit("decision", "behind", Cost(3, 20)))  # ~0.03 s after its 0.4 s
+    with pytest.raises(UnavailableError):  # ~0.8 s of its own does not fit behind it
+        scheduler.admit("decision", "larger", Cost(80, 400))
+    gate.set()
+    chat.future.exception(5)  # type: ignore[union-attr]
+
+    stale = scheduler.admit("decision", "stale", Cost(80, 400), arrived_at=time.monotonic() - 0.9)
+    time.sleep(0.15)
+    assert stale.expired()  # still admitted: its handler has not withdrawn it yet
+    scheduler.withdraw(scheduler.admit("decision", "after-stale", Cost(80, 400)))
+    gone = scheduler.admit("decision", "gone", Cost(80, 400))
+    gone.cancel()  # its caller left
+    scheduler.withdraw(scheduler.admit("decision", "after-gone", Cost(80, 400)))
+    for job in (stale, gone):
+        scheduler.withdraw(job)
     scheduler.close()
 
 

@@ -297,13 +297,23 @@ class Scheduler:
         return job
 
     def _seconds_ahead_locked(self) -> float:
-        """Predicted seconds of the admitted work not done yet (0 until the cost model is ready)."""
+        """Predicted seconds of the admitted work not done yet (0 until the cost model is ready).
+
+        A job is stopped at its deadline, so it holds the engine for at most the time it has left,
+        and one already past it (answered 504, its decode being aborted) or cancelled holds it no more.
+        """
         submitted = {id(r.job): r for r in self._works}
-        left = Cost()
+        now = time.monotonic()
+        seconds = 0.0
         for job in self._admitted:
+            if job.cancelled or job.expired(now):
+                continue
             running = submitted.get(id(job))
-            left = left + (job.cost if running is None else job.cost.remaining(running.decoded))
-        return (self.costs.predict(left) or 0.0) if left.tokens else 0.0
+            left = job.cost if running is None else job.cost.remaining(running.decoded)
+            predicted = self.costs.predict(left) if left.tokens else None
+            if predicted:
+                seconds += min(predicted, job.deadline - now)
+        return seconds
 
     def _update_gauges_locked(self) -> None:
         started = sum(1 for r in self._works if r.started)
