@@ -468,7 +468,13 @@ class Scheduler:
         held = sum(r.work.live_cells + r.work.future_cells for r in self._works) + self._dead_cells()
         policy = backend.policy
         fixed = len(self._head) + policy.reserved_cells
-        step = Step(backend, self._seqs, policy.step_tokens, backend.n_ctx - fixed - held)
+        step = Step(
+            backend,
+            self._seqs,
+            policy.step_tokens,
+            backend.n_ctx - fixed - held,
+            running=[r.work for r in self._works],
+        )
         step.prefix_holders = sum(r.work.prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()
         now = time.monotonic()
@@ -480,8 +486,6 @@ class Scheduler:
             if step.tokens_left <= 0:
                 break
             step.starts_allowed = not (waiting_ahead or epoch_full)
-            step.decisions_may_start = not any(r.work.streams_alone for r in self._works)
-            step.no_state_holds_cells = not any(r.work.holds_epoch_cells for r in self._works)
             before = len(step.rows)
             try:
                 running.work.plan_step(step)

@@ -18,8 +18,9 @@ read: its rows are not kept.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 from decider.engine.native import Row
@@ -83,25 +84,34 @@ class PlannedRow:
     keep: bool = True  # its cells stay until the epoch ends (batch-invariant mode)
 
 
+class Unit(Enum):
+    """What a work starts: the units whose cells are reserved whole when they start."""
+
+    STATE = "state"  # a decision state and all its branches
+    STREAMING_STATE = "streaming state"  # a state too large for one memory epoch: its prefix and largest item
+    CHAT = "chat"  # a generation: its prompt and its longest answer
+
+
 @dataclass(eq=False)
 class Step:
     """The rows of one decode, within a token budget (n_batch) and a memory-cell budget.
 
-    Works reserve the cells of a whole unit of work when it starts (a state and all its branches;
-    a state too large for one epoch: its prefix and its largest question; a chat and its longest
-    answer), so a started unit never waits for memory; `cells_left` is what is still unreserved.
+    Works reserve the cells of a whole unit of work when it starts (`try_start`), so a started unit
+    never waits for memory; `cells_left` is what is still unreserved. The rules for what may start
+    are this class's alone: works ask, and never read the scheduler's state.
     """
 
     memory: Memory
     seqs: SeqPool
     tokens_left: int
     cells_left: int
+    running: Sequence[Any] = ()  # every work the scheduler runs, the asking one included
     # Sequences held across steps by prefixes that still need branch sequences to finish. A new
     # prefix may start only while enough sequences stay free for each of them to open a branch.
     prefix_holders: int = 0
-    starts_allowed: bool = True  # false behind a unit of work that could not start: first come, first served
-    decisions_may_start: bool = True  # false while a state too large for one epoch runs alone
-    no_state_holds_cells: bool = True  # no decision state holds cells: such a state may start
+    # The scheduler's gate, set before each work plans: false behind a unit that could not start
+    # (first come, first served) and while the memory epoch is full.
+    starts_allowed: bool = True
     rows: list[PlannedRow] = field(default_factory=list)
 
     def may_hold_sequence(self) -> bool:
@@ -109,6 +119,25 @@ class Step:
         while one more stays free for a branch and one for its label positions, beyond one for each
         prefix already waiting to open its branches: started work never waits for a sequence."""
         return self.seqs.available >= self.prefix_holders + 2
+
+    def try_start(self, unit: Unit, cells: int, *, holds_sequence: bool) -> bool:
+        """Reserve `cells` for a new `unit` if it may start in this step, and say whether it did.
+
+        - Nothing starts while the gate is closed.
+        - A state too large for one epoch holds cells alone: it waits until no state holds any.
+        - No other state starts while such a state runs.
+        - The unit's cells must all be free, and one holding a sequence needs `may_hold_sequence`.
+        """
+        if not self.starts_allowed:
+            return False
+        if unit is Unit.STREAMING_STATE and any(work.holds_epoch_cells for work in self.running):
+            return False
+        if unit is Unit.STATE and any(work.streams_alone for work in self.running):
+            return False
+        if self.cells_left < cells or (holds_sequence and not self.may_hold_sequence()):
+            return False
+        self.cells_left -= cells
+        return True
 
     def add(self, work: Any, row: Row, on_done: Callable[[Row], None], *, keep: bool = True) -> None:
         """Carry `row` in this decode (its cells were reserved when its unit of work started)."""

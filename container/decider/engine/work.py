@@ -35,7 +35,7 @@ from decider.engine.generation import (
 from decider.engine.invariance import HEAD_SEQ
 from decider.engine.labels import READOUT_CHAIN
 from decider.engine.native import OutputSpec, Row
-from decider.engine.steps import Memory, SeqPool, Step
+from decider.engine.steps import Memory, SeqPool, Step, Unit
 
 
 class Work(Protocol):
@@ -265,20 +265,15 @@ class DecisionWork:
 
     def _start_state(self, state: _StateRun, step: Step) -> bool:
         """Reserve the state's cells (all of them; a streaming state: its prefix and one branch)."""
-        if not step.starts_allowed:
-            return False
-        if state.streaming:
-            if not step.no_state_holds_cells or self.holds_epoch_cells:  # it must hold cells alone
-                return False
-            reserve = state.prefix_cells + state.largest_item
-        else:
-            if not step.decisions_may_start or self.streams_alone:
-                return False
-            reserve = state.need
         shared = self.plan.mode == "shared"
-        if step.cells_left < reserve or (shared and not step.may_hold_sequence()):
+        if state.streaming:
+            started = step.try_start(
+                Unit.STREAMING_STATE, state.prefix_cells + state.largest_item, holds_sequence=shared
+            )
+        else:
+            started = step.try_start(Unit.STATE, state.need, holds_sequence=shared)
+        if not started:
             return False
-        step.cells_left -= reserve
         state.started = True
         if shared:
             seq = self._acquire(step)
@@ -560,14 +555,13 @@ class ChatWork:
         if self._seq is None:
             # The whole generation's cells are reserved up front: it never runs out mid-answer.
             need = len(self.plan.prompt) + self.plan.max_tokens
-            if not step.starts_allowed or not step.may_hold_sequence() or step.cells_left < need:
+            if not step.try_start(Unit.CHAT, need, holds_sequence=True):
                 return
             self._seq = step.seqs.acquire()
             grammar = None
             if self.plan.grammar is not None:  # checked while planning: llama.cpp accepts it
                 grammar = chat_options.grammar_sampler(step.memory.vocab, self.plan.grammar)  # type: ignore[attr-defined]
             self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed, grammar)
-            step.cells_left -= need
         assert self._seq is not None
         prompt = self.plan.prompt
         if self._prefilled < len(prompt):
