@@ -235,15 +235,24 @@ def test_the_text_route_reads_the_best_label_among_the_top_logprobs():
 
 
 def test_the_text_route_line_compares_wall_times_and_argmax():
-    from tools.bench.server import Level, text_route_line
+    from tools.bench.server import Level, Outcome, TextComparison, text_route_line
     from tools.bench.text_route import TextRun
 
-    level = Level(clients=4, wall_seconds=10.0, counters={"decider_engine_decode_tokens_sum": 900.0})
+    def answered(index: int, answers: dict[str, list[float]]) -> Outcome:
+        body = {
+            "answers": {
+                k: {"type": "choice", "probabilities": dict(enumerate(p))} for k, p in answers.items()
+            }
+        }
+        return Outcome(index, 1.0, 200, body)
+
+    outcomes = [answered(0, {"q": [0.2, 0.8], "r": [0.3, 0.7]}), answered(1, {"q": [0.9, 0.1]})]
+    before = Level(4, outcomes, wall_seconds=9.0, counters={"decider_engine_decode_tokens_sum": 900.0})
+    after = Level(4, wall_seconds=11.0)  # the machine slowed down: the mean is the decision time
     run = TextRun(
         clients=4, wall_seconds=15.0, answers={(0, "q"): 1, (0, "r"): 0, (1, "q"): 0}, prompt_tokens=1200
     )
-    serial = {0: {"q": [0.2, 0.8], "r": [0.3, 0.7]}, 1: {"q": [0.9, 0.1]}}
-    line = text_route_line(level, run, serial)
+    line = text_route_line(TextComparison(4, before, run, after))
     assert "text_route=llama-server concurrency=4 decision_vs_text=1.50 argmax_agree=0.67" in line
     assert line.endswith("text_prompt_tokens=1200 decision_tokens=900")
 

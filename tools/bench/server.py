@@ -18,9 +18,11 @@ all cores), side by side on the same requests:
 4. The text route (when llama-server is there: `make llama-server`, or `--llama-server PATH`). The
    sweep's questions, one chat request each to llama-server on the same model, threads and context,
    with its prompt cache, from 1 and 4 clients, a fresh llama-server for each (tools/bench/text_route.py).
-   `decision_vs_text` = llama-server's wall time / the decision route's wall time on the same cases
-   (above 1: we are faster); `argmax_agree` = the share of questions where both pick the same
-   option; `text_prompt_tokens` / `decision_tokens` = the tokens each evaluated.
+   `--text-requests` of the sweep's requests (default 8) go through the decision route, then the text
+   route, then the decision route again, back to back. `decision_vs_text` = llama-server's wall time
+   / the mean of the two decision-route wall times (above 1: we are faster; a drift of the machine's
+   speed cancels out); `argmax_agree` = the share of questions where both pick the same option;
+   `text_prompt_tokens` / `decision_tokens` = the tokens each evaluated.
 
 The last lines are machine-readable (times in seconds; ratios against the 1-client run):
     http_vs_engine=… ping_p99=…
@@ -69,6 +71,7 @@ from tools.evaluate.metrics import percentile
 from tools.local_server import run_local_server
 
 DEFAULT_CASES = JEVBENCH_240_CASES
+TEXT_ROUTE_CLIENTS = (1, 4)
 CLIENT_TIMEOUT_SECONDS = 120  # above the server's 55 s deadline: the server, not the client, gives up
 # The /metrics series the sweep reads (counter and histogram sums/counts, cumulative since start).
 ENGINE_SERIES = (
@@ -436,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--overhead-cases", type=int, default=4, help="cases of the HTTP-overhead phase")
     parser.add_argument(
+        "--text-requests",
+        type=int,
+        default=8,
+        help="requests of the sweep asked again through both routes for the text-route lines (default 8)",
+    )
+    parser.add_argument(
         "--batch-states",
         type=int,
         default=6,
@@ -461,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.overhead_cases, args.batch_states = 8, 2, 3
+        args.requests, args.overhead_cases, args.batch_states, args.text_requests = 8, 2, 3, 4
     levels_wanted = sorted({1, *(int(n) for n in args.concurrency.split(",") if n.strip())})
     console = Console(width=200)
 
@@ -490,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         overhead_cases = spread(cases, args.overhead_cases)
         measure_overhead(client, engine, overhead_cases[:1])  # warm-up, both paths
         engine_times, http_times = measure_overhead(client, engine, overhead_cases)
-        asked = text_questions(engine, bodies)
+        text_bodies = spread(bodies, args.text_requests)
+        asked = text_questions(engine, text_bodies)
         # The text route's warm-up: a case the sweep does not ask, so no measured state is cached.
         warm_up = text_questions(engine, [request_body(next(c for c in cases if c not in sweep_cases))])
         engine.close()
@@ -503,24 +513,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         console.print("[dim]batch route…[/]")
         batch = measure_batch(server.base_url, same_questions_group(cases, args.batch_states))
-
-    text_runs = []
-    binary = find_llama_server(args.llama_server)
-    text_levels = [level for level in levels if level.clients in (1, 4)]
-    if binary is None:
-        console.print("[yellow]text route skipped: no llama-server (`make llama-server` builds one)[/]")
-    else:
-        slots = max(level.clients for level in text_levels)
-        try:
-            for level in text_levels:  # a fresh server each: its cache must not replay the last level
-                with run_llama_server(
-                    binary, Path(settings.model_path), settings.threads(), slots, settings.n_ctx
-                ) as text:
-                    run_text_route(text.base_url, warm_up, 1)
-                    console.print(f"[dim]text route, {level.clients} client(s)…[/]")
-                    text_runs.append((level, run_text_route(text.base_url, asked, level.clients)))
-        except RuntimeError as exc:  # the rest of the run stands; say why this line is missing
-            console.print(f"[red]text route skipped: {exc}[/]")
+        comparisons = compare_text_route(
+            console,
+            server.base_url,
+            find_llama_server(args.llama_server),
+            settings,
+            text_bodies,
+            asked,
+            warm_up,
+        )
 
     http_vs_engine = print_overhead(console, engine_times, http_times)
     serial = levels[0]
@@ -531,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     ping_failures = sum(level.ping_failures for level in levels)
     if ping_failures:
         console.print(f"[red]{ping_failures} /ping probes failed[/]")
-    failed = any(level.errors for level in (*levels, batch.batch, batch.sequential, batch.concurrent))
+    compared = [level for comparison in comparisons for level in (comparison.before, comparison.after)]
+    failed = any(
+        level.errors for level in (*levels, batch.batch, batch.sequential, batch.concurrent, *compared)
+    )
     if failed:
         console.print("[red]some requests failed (see the errors columns)[/]")
 
@@ -554,28 +558,77 @@ def main(argv: list[str] | None = None) -> int:
     )
     for level in levels:
         print(concurrency_line(level, serial, serial_answers))
-    for level, run in text_runs:
-        print(text_route_line(level, run, serial_answers))
+    for comparison in comparisons:
+        print(text_route_line(comparison))
     return 1 if failed or ping_failures else 0
 
 
-def text_route_line(level: Level, run: Any, serial_answers: dict[int, Distributions]) -> str:
+@dataclass
+class TextComparison:
+    """One concurrency level of the text route, timed between two runs of the decision route on the
+    same cases (decision, text, decision), so a drift of the machine's speed cancels out."""
+
+    clients: int
+    before: Level
+    text: Any  # TextRun
+    after: Level
+
+    @property
+    def decision_seconds(self) -> float:
+        return (self.before.wall_seconds + self.after.wall_seconds) / 2
+
+
+def compare_text_route(
+    console: Console,
+    base_url: str,
+    binary: Path | None,
+    settings: Any,
+    bodies: list[dict[str, Any]],
+    asked: list[Any],
+    warm_up: list[Any],
+    levels: tuple[int, ...] = TEXT_ROUTE_CLIENTS,
+) -> list[TextComparison]:
+    """The decision route (our server at `base_url`) against llama-server's text route on `bodies`,
+    a fresh llama-server for each level so that its prompt cache cannot replay the level before."""
+    if binary is None:
+        console.print("[yellow]text route skipped: no llama-server (`make llama-server` builds one)[/]")
+        return []
+    comparisons = []
+    try:
+        for clients in levels:
+            with run_llama_server(
+                binary, Path(settings.model_path), settings.threads(), max(levels), settings.n_ctx
+            ) as text:
+                run_text_route(text.base_url, warm_up, 1)
+                console.print(f"[dim]text route against the decision route, {clients} client(s)…[/]")
+                before = measured_level(base_url, "/invocations", bodies, clients, None)
+                run = run_text_route(text.base_url, asked, clients)
+                after = measured_level(base_url, "/invocations", bodies, clients, None)
+            comparisons.append(TextComparison(clients, before, run, after))
+    except RuntimeError as exc:  # the rest of the run stands; say why these lines are missing
+        console.print(f"[red]text route skipped: {exc}[/]")
+    return comparisons
+
+
+def text_route_line(comparison: TextComparison) -> str:
     """The decision route against llama-server's text route at one concurrency."""
+    answers = comparison.before.answers()
     same = total = 0
-    for (case, key), picked in run.answers.items():
-        probs = serial_answers.get(case, {}).get(key)
+    for (case, key), picked in comparison.text.answers.items():
+        probs = answers.get(case, {}).get(key)
         if probs is not None:
             total += 1
             same += picked == probs.index(max(probs))
+    tokens = comparison.before.counters.get("decider_engine_decode_tokens_sum", math.nan)
     return key_values(
         (
             ("text_route", "llama-server"),
-            ("concurrency", str(level.clients)),
-            ("decision_vs_text", ratio(run.wall_seconds, level.wall_seconds)),
+            ("concurrency", str(comparison.clients)),
+            ("decision_vs_text", ratio(comparison.text.wall_seconds, comparison.decision_seconds)),
             ("argmax_agree", ratio(same, total)),
-            ("text_errors", str(run.errors)),
-            ("text_prompt_tokens", str(run.prompt_tokens)),
-            ("decision_tokens", f"{level.counters.get('decider_engine_decode_tokens_sum', math.nan):.0f}"),
+            ("text_errors", str(comparison.text.errors)),
+            ("text_prompt_tokens", str(comparison.text.prompt_tokens)),
+            ("decision_tokens", f"{tokens:.0f}"),
         )
     )
 
