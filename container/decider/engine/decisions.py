@@ -263,11 +263,13 @@ class DecisionPlanner:
                     else None,
                 )
                 items.append(item)
-        if prompt.canonical:
-            prefix = list(prompt.tokens)
-        else:  # the segments tokenize differently together: share the longest common prefix instead
-            cut = common_prefix_length([item.tokens for item in items]) if items else 0
-            prefix = items[0].tokens[:cut] if items else []
+        # The prefix is the state's prompt (or, where the segments tokenize differently together, no
+        # canonical cut exists), then every token all the items' tails begin with (` "criterion": "`
+        # at least): decoded once, as a prompt cache shares them, where each branch would decode them.
+        prefix = list(prompt.tokens) if prompt.canonical else []
+        if len(items) > 1 or (items and not prompt.canonical):
+            cut = common_prefix_length([item.tokens for item in items])
+            prefix += items[0].tokens[:cut]
             for item in items:
                 item.tokens = item.tokens[cut:]
         head = len(self.builder.head_tokens)

@@ -437,20 +437,20 @@ class Scheduler:
     def _dead_cells(self) -> int:
         """Cells released into the graveyards since the last compaction (works count theirs
         cumulatively; `dead_at_epoch_start` is what a work had released before the epoch began)."""
-        return self._dead_removed + sum(r.work.dead_cells - r.dead_at_epoch_start for r in self._works)
+        return self._dead_removed + sum(r.work.footprint().dead - r.dead_at_epoch_start for r in self._works)
 
     def _maybe_compact(self, backend: Backend) -> None:
         """End the memory epoch when no decision state is live: free every dead cell at once."""
         assert self._seqs is not None
         if not self._seqs.epochs or not self._dead_cells():
             return
-        if any(r.work.holds_epoch_cells for r in self._works):  # a started state keeps its cells in place
+        if any(r.work.footprint().holds_epoch_cells for r in self._works):  # a started state keeps its cells
             return
-        live = [HEAD_SEQ, *(seq for r in self._works for seq in r.work.live_seqs)]
+        live = [HEAD_SEQ, *(seq for r in self._works for seq in r.work.footprint().seqs)]
         self._seqs.compact(backend, live)
         self._dead_removed = 0
         for running in self._works:
-            running.dead_at_epoch_start = running.work.dead_cells
+            running.dead_at_epoch_start = running.work.footprint().dead
 
     def _epoch_full(self) -> bool:
         """The memory epoch has grown to `epoch_cells`: let its decisions finish, start nothing new.
@@ -460,12 +460,12 @@ class Scheduler:
         if self.epoch_cells is None or not self._seqs or not self._seqs.epochs:
             return False
         decisions = (r.work for r in self._works if r.work.kind == "decision")
-        used = sum(work.live_cells + work.future_cells for work in decisions) + self._dead_cells()
+        used = sum(work.footprint().held for work in decisions) + self._dead_cells()
         return used >= self.epoch_cells
 
     def _plan(self, backend: Backend) -> Step:
         assert self._seqs is not None
-        held = sum(r.work.live_cells + r.work.future_cells for r in self._works) + self._dead_cells()
+        held = sum(r.work.footprint().held for r in self._works) + self._dead_cells()
         policy = backend.policy
         fixed = len(self._head) + policy.reserved_cells
         step = Step(
@@ -475,7 +475,7 @@ class Scheduler:
             backend.n_ctx - fixed - held,
             running=[r.work for r in self._works],
         )
-        step.prefix_holders = sum(r.work.prefix_seqs for r in self._works)
+        step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()
         now = time.monotonic()
         order = [r for r in self._works if r.work.kind == "chat" and r.started] + [
@@ -591,7 +591,7 @@ class Scheduler:
             job = running.job
             with self._cond:
                 self._works.remove(running)
-                self._dead_removed += running.work.dead_cells - running.dead_at_epoch_start
+                self._dead_removed += running.work.footprint().dead - running.dead_at_epoch_start
                 self._admitted.discard(job)
                 self._update_gauges_locked()
             if job.started_at is not None:
@@ -645,7 +645,7 @@ class Scheduler:
         with self._cond:
             if running in self._works:
                 self._works.remove(running)
-                self._dead_removed += running.work.dead_cells - running.dead_at_epoch_start
+                self._dead_removed += running.work.footprint().dead - running.dead_at_epoch_start
             self._admitted.discard(running.job)
             self._update_gauges_locked()
 

@@ -130,9 +130,10 @@ class Step:
         """
         if not self.starts_allowed:
             return False
-        if unit is Unit.STREAMING_STATE and any(work.holds_epoch_cells for work in self.running):
+        held = [work.footprint() for work in self.running] if unit is not Unit.CHAT else []
+        if unit is Unit.STREAMING_STATE and any(footprint.holds_epoch_cells for footprint in held):
             return False
-        if unit is Unit.STATE and any(work.streams_alone for work in self.running):
+        if unit is Unit.STATE and any(footprint.streams_alone for footprint in held):
             return False
         if self.cells_left < cells or (holds_sequence and not self.may_hold_sequence()):
             return False

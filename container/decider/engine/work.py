@@ -38,9 +38,28 @@ from decider.engine.native import OutputSpec, Row
 from decider.engine.steps import Memory, SeqPool, Step, Unit
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """What a work holds in the context now: everything the scheduler's memory accounting reads.
+
+    Cells: `future` are reserved and not decoded yet, `live` decoded and still owned, `dead`
+    (cumulative) released into the graveyards (batch-invariant mode)."""
+
+    live: int = 0
+    future: int = 0
+    dead: int = 0
+    seqs: tuple[int, ...] = ()  # every sequence it holds, whatever its role
+    prefix_seqs: int = 0  # prefixes still to open branches: each needs a free sequence to finish
+    holds_epoch_cells: bool = False  # a started, open decision state: a memory epoch must keep its cells
+    streams_alone: bool = False  # a state too large for one epoch runs: no other state may start
+
+    @property
+    def held(self) -> int:
+        return self.live + self.future
+
+
 class Work(Protocol):
-    """What the scheduler drives. Cell counts: `future_cells` are reserved and not yet decoded,
-    `live_cells` decoded and still owned, `dead_cells` (cumulative) released into the graveyards."""
+    """What the scheduler drives."""
 
     kind: str
     decodes: int
@@ -60,35 +79,14 @@ class Work(Protocol):
     def started(self) -> bool: ...
 
     @property
-    def holds_epoch_cells(self) -> bool:
-        """It holds cells a memory epoch must keep (a decision state that started and is open)."""
-        ...
-
-    @property
     def wants_start(self) -> bool:
         """It has a unit of work (a state, a chat) that has not started yet."""
         ...
 
     @property
-    def streams_alone(self) -> bool: ...
-
-    @property
-    def prefix_seqs(self) -> int: ...
-
-    @property
-    def future_cells(self) -> int: ...
-
-    @property
-    def live_cells(self) -> int: ...
-
-    @property
-    def dead_cells(self) -> int: ...
-
-    @property
-    def live_seqs(self) -> list[int]: ...
-
-    @property
     def finished(self) -> bool: ...
+
+    def footprint(self) -> Footprint: ...
 
     def plan_step(self, step: Step) -> None: ...
 
@@ -210,37 +208,20 @@ class DecisionWork:
         return any(state.started for state in self.states)
 
     @property
-    def holds_epoch_cells(self) -> bool:
-        return any(state.started and state.open_items for state in self.states)
-
-    @property
     def wants_start(self) -> bool:
         return any(not state.started and state.open_items for state in self.states)
 
-    @property
-    def streams_alone(self) -> bool:
-        """A state too large for one memory epoch is running: no other state may start beside it."""
-        return any(state.streaming and state.started and state.open_items for state in self.states)
-
-    @property
-    def prefix_seqs(self) -> int:
-        return sum(1 for state in self.states if state.seq is not None)
-
-    @property
-    def future_cells(self) -> int:
-        return sum(state.future for state in self.states)
-
-    @property
-    def live_cells(self) -> int:
-        return sum(state.decoded - state.released for state in self.states)
-
-    @property
-    def dead_cells(self) -> int:
-        return sum(state.dead for state in self.states)
-
-    @property
-    def live_seqs(self) -> list[int]:
-        return sorted(self._held)
+    def footprint(self) -> Footprint:
+        running = [state for state in self.states if state.started and state.open_items]
+        return Footprint(
+            live=sum(state.decoded - state.released for state in self.states),
+            future=sum(state.future for state in self.states),
+            dead=sum(state.dead for state in self.states),
+            seqs=tuple(sorted(self._held)),
+            prefix_seqs=sum(1 for state in self.states if state.seq is not None),
+            holds_epoch_cells=bool(running),
+            streams_alone=any(state.streaming for state in running),
+        )
 
     def outcome(self) -> Any:
         return self.planner.respond(
@@ -508,10 +489,6 @@ class ChatWork:
     def least_cost(self) -> Cost:
         return self.plan.least_cost
 
-    prefix_seqs = 0  # a generation never waits for another sequence
-    streams_alone = False
-    holds_epoch_cells = False  # its cells are its own: an epoch may end while it runs
-
     @property
     def started(self) -> bool:
         return self._seq is not None or self._finish is not None
@@ -520,23 +497,13 @@ class ChatWork:
     def wants_start(self) -> bool:
         return not self.started
 
-    @property
-    def future_cells(self) -> int:
+    def footprint(self) -> Footprint:
+        """A generation never waits for another sequence, and its cells are its own: a memory epoch
+        may end while it runs."""
         if self._seq is None:
-            return 0
-        return len(self.plan.prompt) + self.plan.max_tokens - self._decoded
-
-    @property
-    def live_cells(self) -> int:
-        return self._decoded if self._seq is not None else 0
-
-    @property
-    def dead_cells(self) -> int:
-        return self._dead
-
-    @property
-    def live_seqs(self) -> list[int]:
-        return [] if self._seq is None else [self._seq]
+            return Footprint(dead=self._dead)
+        future = len(self.plan.prompt) + self.plan.max_tokens - self._decoded
+        return Footprint(live=self._decoded, future=future, dead=self._dead, seqs=(self._seq,))
 
     @property
     def finished(self) -> bool:
