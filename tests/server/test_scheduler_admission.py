@@ -99,16 +99,23 @@ def test_the_deadline_runs_from_the_request_s_arrival() -> None:
     scheduler.close()
 
 
-def test_a_chat_costs_a_step_per_generated_token() -> None:
-    """A chat may stop at any token, so it is tried; the work behind it waits for all of them."""
-    plan = ChatPlan(prompt=[1] * 10, max_tokens=200)
-    assert plan.cost.steps == 201 and plan.cost.tokens == 210 and plan.least_cost.steps == 1
+def _gated_chat_scheduler() -> tuple[Scheduler, threading.Event]:
+    """A 1 s deadline, 10 ms decodes, a cost model fitted on three decisions, and a gate that holds
+    the next decode until it is set."""
     engine = FakeEngine(decode_seconds=0.01, chat_tokens=1000)
     scheduler = _scheduler(engine, deadline=1.0)
     for size in (50, 400, 120):
         _timed(scheduler, _work(engine, size))
     gate = threading.Event()
     engine.runtime.gate = gate
+    return scheduler, gate
+
+
+def test_a_chat_costs_a_step_per_generated_token() -> None:
+    """A chat may stop at any token, so it is tried; the work behind it waits for all of them."""
+    plan = ChatPlan(prompt=[1] * 10, max_tokens=200)
+    assert plan.cost.steps == 201 and plan.cost.tokens == 210 and plan.least_cost.steps == 1
+    scheduler, gate = _gated_chat_scheduler()
     chat = scheduler.enqueue("chat", "long", ChatWork(plan))  # 200 decodes of 10 ms at most: 2 s
     with pytest.raises(UnavailableError) as refused:  # 10 decodes, behind up to 200 of the chat
         scheduler.admit("decision", "behind", Cost(10, 50))
@@ -121,12 +128,7 @@ def test_a_chat_costs_a_step_per_generated_token() -> None:
 def test_work_ahead_counts_only_until_its_own_deadline() -> None:
     """A job is stopped at its deadline: behind it a request waits at most that long, and behind a
     job already past it (answered 504, its work not yet dropped) or cancelled, not at all."""
-    engine = FakeEngine(decode_seconds=0.01, chat_tokens=1000)
-    scheduler = _scheduler(engine, deadline=1.0)
-    for size in (50, 400, 120):
-        _timed(scheduler, _work(engine, size))
-    gate = threading.Event()
-    engine.runtime.gate = gate
+    scheduler, gate = _gated_chat_scheduler()
     long_chat = ChatPlan(prompt=[1] * 10, max_tokens=5000)  # ~50 s of decodes, stopped at 1 s
     chat = scheduler.enqueue("chat", "long", ChatWork(long_chat), arrived_at=time.monotonic() - 0.6)
     scheduler.withdraw(scheduler.admit("decision", "behind", Cost(3, 20)))  # ~0.03 s after its 0.4 s
