@@ -54,7 +54,8 @@ def test_the_cost_model_fits_steps_tokens_and_attention_exactly() -> None:
 
 def test_admission_estimates_follow_attention_on_500_2000_and_4500_token_requests() -> None:
     """Long requests cost more than their token count says: the estimate must say so too."""
-    engine = FakeEngine(token_seconds=0.00005, attention_seconds=0.00000003)
+    # Long enough that scheduling jitter on a loaded machine (a parallel test worker) stays small.
+    engine = FakeEngine(token_seconds=0.00015, attention_seconds=0.00000009)
     scheduler = _scheduler(engine, deadline=60)
     for size in (50, 300, 900, 120):  # what the engine sees before: mixed sizes
         _timed(scheduler, _work(engine, size))
