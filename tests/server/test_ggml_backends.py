@@ -93,3 +93,52 @@ def test_load_engine_refuses_gpu_layers_on_this_cpu_build(smollm2_path: Path) ->
     # The production loader runs the check before the model is read: no silent CPU fallback.
     with pytest.raises(StartupError, match="asks for GPU offload"):
         load_engine(Settings(model_path=smollm2_path, n_gpu_layers=-1))
+
+
+def _variants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scores: dict[str, int], exits: dict[str, int]):
+    """Fake CPU variant files with ggml scores, and the probe's exit status for each."""
+    from decider.server import ggml_backends
+
+    for name in scores:
+        (tmp_path / f"libggml-cpu-{name}.so").write_bytes(b"")
+    monkeypatch.setattr(
+        ggml_backends, "variant_score", lambda path: scores[path.stem.removeprefix("libggml-cpu-")]
+    )
+    probed: list[str] = []
+
+    def probe(path: Path, model: Path) -> int:
+        name = path.stem.removeprefix("libggml-cpu-")
+        probed.append(name)
+        return exits[name]
+
+    monkeypatch.setattr(ggml_backends, "probe_variant", probe)
+    return probed
+
+
+def test_a_cpu_variant_that_crashes_the_probe_gives_way_to_the_next(tmp_path, monkeypatch, caplog):
+    """A host that advertises AMX and refuses it (SIGILL) gets the next-best kernels, not a crash."""
+    from decider.server.ggml_backends import choose_cpu_variant
+
+    probed = _variants(tmp_path, monkeypatch, {"sapphirerapids": 90, "zen4": 80, "x64": 1, "none": 0}, {
+        "sapphirerapids": -4, "zen4": 0, "x64": 0,
+    })  # fmt: skip
+    chosen = choose_cpu_variant(tmp_path, tmp_path / "model.gguf")
+    assert chosen == tmp_path / "libggml-cpu-zen4.so" and probed == ["sapphirerapids", "zen4"]
+    assert "libggml-cpu-sapphirerapids.so crash on this host (SIGILL)" in caplog.text
+
+
+def test_the_cpu_probe_leaves_ggml_its_own_choice_unless_a_variant_crashes(tmp_path, monkeypatch):
+    from decider.server.ggml_backends import choose_cpu_variant
+
+    model = tmp_path / "model.gguf"
+    probed = _variants(tmp_path, monkeypatch, {"icelake": 50, "x64": 1}, {"icelake": 1, "x64": 0})
+    assert choose_cpu_variant(tmp_path, model) is None  # the model does not load: the real load says why
+    assert probed == ["icelake"]
+    assert choose_cpu_variant(tmp_path, None) is None and probed == ["icelake"]  # no model: no probe
+    for path in tmp_path.glob("*.so"):
+        path.unlink()
+    probed = _variants(tmp_path, monkeypatch, {"x64": 1}, {"x64": -4})
+    assert choose_cpu_variant(tmp_path, model) is None and probed == []  # one variant: nothing to choose
+    probed = _variants(tmp_path, monkeypatch, {"x64": 1, "sse42": 2}, {"x64": -4, "sse42": -11})
+    with pytest.raises(StartupError, match=r"every llama\.cpp CPU variant"):
+        choose_cpu_variant(tmp_path, model)

@@ -7,6 +7,13 @@ CPU kernels (one library per instruction-set level) and CUDA are separate shared
 "no backends are loaded". A build with statically linked backends (the local `make setup`
 wheel) already has them registered, and loading is skipped there.
 
+Several CPU variants (the CPU image): ggml would take the one whose score is highest, from the
+CPU's feature bits. A host may advertise instructions it then refuses (a virtual machine that
+reports AMX and raises SIGILL on its tile instructions), which would crash the server on its
+first decode. So the best-scoring variant first decodes a few tokens of the model in a child
+process; if that child dies, the next variant is tried, and the one that works is loaded. This
+costs one extra model load at start-up (from the page cache the server's own load then reads).
+
 The wheel stores `libggml.so`, `libggml.so.0` and `libggml.so.0.x.y` as three separate files
 (wheels cannot hold symlinks), and each copy has its own backend registry: backends registered in
 `libggml.so` are invisible to `libllama.so`, which links against the soname `libggml.so.0`. So ggml
@@ -17,10 +24,15 @@ them.)
 
 from __future__ import annotations
 
+import _ctypes
+import argparse
 import ctypes
 import importlib.util
 import logging
 import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +43,8 @@ log = logging.getLogger(__name__)
 BACKEND_DIR_ENV = "GGML_BACKEND_DIR"
 LIBLLAMA_NAMES = ("libllama.so", "libllama.dylib")
 CUDA_LIBRARY = "libggml-cuda.so"
+CPU_VARIANTS = "libggml-cpu-*.so"
+PROBE_TIMEOUT_SECONDS = 300
 # enum ggml_backend_dev_type (ggml-backend.h)
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 GPU_TYPES = frozenset({"gpu", "igpu"})
@@ -85,7 +99,58 @@ def _ggml() -> ctypes.CDLL:
     lib.ggml_backend_dev_type.restype = ctypes.c_int
     lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
     lib.ggml_backend_load_all_from_path.restype = None
+    lib.ggml_backend_load.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_load.restype = ctypes.c_void_p
     return lib
+
+
+def variant_score(path: Path) -> int:
+    """ggml's own score of a CPU variant on this host (0: it cannot run here at all). The library
+    is closed again: only the variant chosen stays mapped (and named in the start-up log)."""
+    try:
+        variant = ctypes.CDLL(str(path))
+    except OSError:
+        return 0
+    try:
+        score = variant.ggml_backend_score
+        score.restype = ctypes.c_int
+        return int(score())
+    except AttributeError:
+        return 0
+    finally:
+        _ctypes.dlclose(variant._handle)
+
+
+def probe_variant(path: Path, model: Path) -> int:
+    """Decode a few tokens of `model` with the CPU variant `path` in a child process; its exit
+    status (negative: the signal that killed it, e.g. -4 for SIGILL)."""
+    command = [sys.executable, "-m", __name__, "--probe", str(path), "--model", str(model)]
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=PROBE_TIMEOUT_SECONDS, check=False)
+    except subprocess.TimeoutExpired:
+        return -signal.SIGKILL
+    return done.returncode
+
+
+def choose_cpu_variant(directory: Path, model: Path | None) -> Path | None:
+    """The best-scoring CPU variant in `directory` that decodes `model` on this host.
+
+    None, and ggml picks as it always does: the directory holds at most one variant, no model is
+    given, or the probe failed without a crash (a model llama.cpp cannot load: the real load then
+    says why, in its own words)."""
+    scored = [(variant_score(path), path.name, path) for path in directory.glob(CPU_VARIANTS)]
+    candidates = [path for score, _, path in sorted(scored, reverse=True) if score > 0]
+    if len(candidates) < 2 or model is None:
+        return None
+    for path in candidates:
+        status = probe_variant(path, model)
+        if status == 0:
+            return path
+        if status > 0:
+            return None
+        name = signal.Signals(-status).name if -status in signal.valid_signals() else str(status)
+        log.warning("the CPU kernels %s crash on this host (%s): trying the next variant", path.name, name)
+    raise StartupError(f"every llama.cpp CPU variant in {directory} crashed on this host")
 
 
 def loaded_backend_libraries() -> tuple[str, ...]:
@@ -112,17 +177,28 @@ def _devices(lib: ctypes.CDLL) -> tuple[Device, ...]:
     return tuple(devices)
 
 
-def ensure_backends() -> Backends:
-    """Load every backend library found next to llama.cpp (or in `$GGML_BACKEND_DIR`) unless
-    backends are already registered; return what is available. Raises `StartupError` when no
-    device can be used."""
+def ensure_backends(model: Path | None = None) -> Backends:
+    """Load the backend libraries found next to llama.cpp (or in `$GGML_BACKEND_DIR`) unless
+    backends are already registered; return what is available. With several CPU variants and a
+    `model`, the CPU variant is the best one that decodes it here (see the module docstring).
+    Raises `StartupError` when no device can be used."""
     import llama_cpp  # noqa: F401 - loads libllama.so and with it libggml
 
     lib = _ggml()
     directory = os.environ.get(BACKEND_DIR_ENV) or str(llama_cpp_lib_dir())
     if lib.ggml_backend_reg_count() == 0:
         log.debug("loading ggml backends from %s", directory)
-        lib.ggml_backend_load_all_from_path(directory.encode())
+        variant = choose_cpu_variant(Path(directory), model)
+        if variant is None:
+            lib.ggml_backend_load_all_from_path(directory.encode())
+        else:  # that CPU variant, and every other kind of backend ggml would load
+            others = [
+                path
+                for path in sorted(Path(directory).glob("libggml-*.so"))
+                if not path.name.startswith(("libggml-base", "libggml-cpu"))
+            ]
+            for path in (*others, variant):
+                lib.ggml_backend_load(str(path).encode())
     backends = Backends(devices=_devices(lib), libraries=loaded_backend_libraries())
     if not backends.devices:
         raise StartupError(
@@ -158,5 +234,23 @@ def require_gpu(backends: Backends, n_gpu_layers: int, *, setting: str = "DECIDE
     )
 
 
+def _probe(variant: Path, model: Path) -> None:
+    """The child of `probe_variant`: only `variant` for the CPU, the model loaded, a batch decoded
+    (long enough for the batched matmul kernels, where instruction sets such as AMX are used)."""
+    import llama_cpp
+
+    if not _ggml().ggml_backend_load(str(variant).encode()):
+        raise SystemExit(f"{variant.name} does not load")
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=256, n_batch=128, n_threads=1, verbose=False)
+    llm.eval(llm.tokenize(b"A probe of the CPU kernels on this host. " * 8)[:96])
+
+
 if __name__ == "__main__":  # `python -m decider.server.ggml_backends`: what this host offers
-    print(ensure_backends().describe())
+    parser = argparse.ArgumentParser(description="llama.cpp's backends on this host")
+    parser.add_argument("--probe", type=Path, help="a CPU variant to try (internal: probe_variant)")
+    parser.add_argument("--model", type=Path, help="the GGUF to decode with it")
+    args = parser.parse_args()
+    if args.probe is not None:
+        _probe(args.probe, args.model)
+    else:
+        print(ensure_backends(args.model).describe())

@@ -53,9 +53,12 @@ def load_engine(settings: Settings) -> Engine:
     """The production loader: register llama.cpp backends (a GPU one when GPU layers are
     requested), then load and verify the GGUF."""
     from decider.engine import DecisionEngine
+    from decider.engine.modelfile import resolve_model_file, verify_sha256
     from decider.server.ggml_backends import ensure_backends, require_gpu
 
-    backends = ensure_backends()
+    model = resolve_model_file(settings)
+    verify_sha256(model, settings)  # before a CPU probe parses it (the digest is cached for the load)
+    backends = ensure_backends(model)
     log.info("llama.cpp backends: %s", backends.describe())
     require_gpu(backends, settings.n_gpu_layers, setting=settings.env_name("n_gpu_layers"))
     return DecisionEngine.load(settings)
