@@ -15,11 +15,9 @@ from typing import Any
 
 import pytest
 
+from tools.evaluate.jevbench import JEVBENCH_240_CASES, MISSING_HINT
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DIR = REPO_ROOT.parent / "shared"
-JEVBENCH_240_CASES = (
-    SHARED_DIR / "data" / "jevbench" / "jevbench-coherence-0.1.0" / "suites" / "jevbench-240" / "cases.jsonl"
-)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
@@ -86,6 +84,7 @@ def load_jevbench_cases(path: Path = JEVBENCH_240_CASES) -> list[dict[str, Any]]
 
 @pytest.fixture(scope="session")
 def jevbench_cases() -> list[dict[str, Any]]:
+    """Missing data fails the tests that need it (never a skip: that would test less, silently)."""
     if not JEVBENCH_240_CASES.is_file():
-        pytest.skip(f"JevBench data not found at {JEVBENCH_240_CASES}")
+        pytest.fail(f"JevBench data not found at {JEVBENCH_240_CASES}: {MISSING_HINT}")
     return load_jevbench_cases()

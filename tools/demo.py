@@ -6,7 +6,8 @@
 4. print the report, a calibration fit, and where the HTML report is.
 
 The server is always stopped on exit, on Ctrl-C and on SIGTERM. The JevBench data (Apache-2.0,
-Copyright 2026 Chen Feng; not affiliated with TypeSafe AI) is read in place from ../shared.
+Copyright 2026 Chen Feng; not affiliated with TypeSafe AI) comes from the `jevbench` package and the
+repository's copy of its gold labels (tools.evaluate.jevbench).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from rich.console import Console
 from rich.table import Table
 
 from tools.evaluate import cli as decide_eval
-from tools.evaluate.cases import JEVBENCH_240_CASES, JEVBENCH_DIR
+from tools.evaluate.jevbench import GOLD_240, JEVBENCH_240_CASES, MISSING_HINT
 from tools.evaluate.targets import CUSTOM_ATTRIBUTES
 from tools.local_server import run_local_server
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CASES = JEVBENCH_240_CASES
-DEFAULT_GOLD = JEVBENCH_DIR / "data" / "gold.jsonl"
+DEFAULT_GOLD = GOLD_240
 DEFAULT_LIMIT = 12
 DEFAULT_MAX_SECONDS = 150.0  # time box for the evaluation step: "a few minutes here at most"
 DEFAULT_OUT = REPO / "runs" / "demo"
@@ -104,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     console = decide_eval.make_console()
     if not args.cases.is_file() or not args.gold.is_file():
         console.print(
-            f"[red]error:[/] JevBench data not found ({args.cases}, {args.gold}). It is read from "
-            "../shared/data/jevbench next to the repository; pass --cases/--gold to use another copy."
+            f"[red]error:[/] JevBench data not found ({args.cases}, {args.gold}): {MISSING_HINT}; "
+            "pass --cases/--gold to use another copy."
         )
         return 2
     signal.signal(signal.SIGTERM, _raise_interrupt)

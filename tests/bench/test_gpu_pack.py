@@ -142,10 +142,6 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
     (repo / "container").mkdir(parents=True)
     for name in ("requirements.txt", "container/requirements.txt"):
         (repo / name).write_text((REPO / name).read_text())
-    jevbench = tmp_path / "jevbench"
-    for name in pack.JEVBENCH_FILES:
-        (jevbench / name).parent.mkdir(parents=True, exist_ok=True)
-        (jevbench / name).write_text(f"{name}\n")
     fake = FakePip({f"{SDIST_TOP}/pyproject.toml": b"x", f"{SDIST_TOP}/vendor/llama.cpp/docs/a.md": b"y"})
     parts = pack.pack(
         repo,
@@ -153,7 +149,6 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
         pip=["pip"],
         freeze=lambda: "numpy==2.4.6\n",
         tokenizer_source=lambda: smollm2_path,
-        jevbench=jevbench,
     )
     out = repo / pack.PACK_DIR
     assert len(fake.commands) == 2 and (out / "wheels").is_dir()
@@ -161,7 +156,7 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
     assert "llama-cpp-python" not in (out / "requirements.txt").read_text()
     with tarfile.open(out / f"{SDIST_TOP}.tar.gz") as trimmed:
         assert trimmed.getnames() == [f"{SDIST_TOP}/pyproject.toml"]
-    assert (out / "shared" / pack.JEVBENCH_RELATIVE / "suites/jevbench-240/cases.jsonl").is_file()
+    assert "jevbench==" in (out / "requirements.txt").read_text()  # its wheel carries the cases
     tokenizer = pack.size_of([out / "tokenizer.gguf"])
     assert 1_000_000 < tokenizer < 3_000_000  # SmolLM2's tokenizer without its 93 MB of weights
     assert [part.name for part in parts][:3] == ["wheels", "llama.cpp sdist", "tokenizer"]
@@ -174,7 +169,6 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
         pip=["pip"],
         freeze=lambda: "",
         tokenizer_source=lambda: smollm2_path,
-        jevbench=jevbench,
     )
     assert len(fake.commands) == 3  # the trimmed sdist and the tokenizer are kept; the wheels fetched again
     assert not stale.exists() and [p.name for p in (out / "wheels").iterdir()] == [
@@ -219,24 +213,6 @@ def test_the_launcher_stands_the_generated_model_in_for_the_bundled_one(
     import decider.engine.bundled as bundled
 
     monkeypatch.setattr(bundled, "smollm2_path", bundled.smollm2_path)  # restored after the test
-    monkeypatch.setattr(launch, "packed_cases", lambda: None)
     assert launch.main(["fake", str(model), "--quick"]) == 0
     assert seen == {"argv": ["--model", str(model.resolve()), "--quick"], "bundled": model.resolve()}
     assert launch.main(["nope", str(model)]) == 2
-
-
-def test_the_launcher_reads_the_packed_cases_when_shared_has_none(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from tools.evaluate import cases
-
-    monkeypatch.setattr(cases, "JEVBENCH_DIR", tmp_path / "nowhere")
-    monkeypatch.setattr(cases, "JEVBENCH_240_CASES", tmp_path / "nowhere" / "cases.jsonl")
-    launch.packed_cases(tmp_path / "shared")
-    expected = tmp_path / "shared" / pack.JEVBENCH_RELATIVE / "suites" / "jevbench-240" / "cases.jsonl"
-    assert expected == cases.JEVBENCH_240_CASES
-    here = tmp_path / "here.jsonl"
-    here.write_text("{}\n")
-    monkeypatch.setattr(cases, "JEVBENCH_240_CASES", here)
-    launch.packed_cases(tmp_path / "shared")
-    assert here == cases.JEVBENCH_240_CASES  # the usual copy wins

@@ -40,7 +40,7 @@ def test_the_defaults_stay_well_under_the_deadline_and_follow_the_suggested_targ
 def test_the_cli_prints_the_sources_and_exits_0_for_the_defaults(capsys):
     assert cli.main([]) == cli.EXIT_OK
     out = capsys.readouterr().out
-    assert "aws-guide.md" in out and "benchmarks.md" in out and "Price List API" in out
+    assert "semif-decision-model" in out and "RESULTS-v1.2.md" in out and "Price List API" in out
     assert "ml.c7i.8xlarge (configured)" in out and "ml.g6.xlarge (configured)" in out
     assert "6.48 tokens/s per vCPU" in out
 

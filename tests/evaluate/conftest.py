@@ -4,19 +4,17 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-JEVBENCH = REPO.parent / "shared" / "data" / "jevbench" / "jevbench-coherence-0.1.0"
-JEVBENCH_CASES = JEVBENCH / "suites" / "jevbench-240" / "cases.jsonl"
-JEVBENCH_GOLD = JEVBENCH / "data" / "gold.jsonl"
+from tools.evaluate.jevbench import GOLD_240, JEVBENCH_240_CASES, MISSING_HINT
 
 
 @pytest.fixture
 def jevbench_cases() -> Path:
-    if not JEVBENCH_CASES.is_file():
-        pytest.skip(f"JevBench data not found at {JEVBENCH}")
-    return JEVBENCH_CASES
+    """Missing data fails the tests that need it (never a skip: that would test less, silently)."""
+    if not JEVBENCH_240_CASES.is_file():
+        pytest.fail(f"JevBench data not found at {JEVBENCH_240_CASES}: {MISSING_HINT}")
+    return JEVBENCH_240_CASES
 
 
 @pytest.fixture
 def jevbench_gold(jevbench_cases) -> Path:
-    return JEVBENCH_GOLD
+    return GOLD_240

@@ -17,7 +17,7 @@ def test_missing_jevbench_data_is_reported_before_starting_anything(tmp_path, ca
     assert "JevBench data not found" in capsys.readouterr().out
 
 
-def test_default_data_paths_point_at_the_shared_jevbench_copy():
-    assert demo.DEFAULT_CASES.parts[-3:] == ("suites", "jevbench-240", "cases.jsonl")
-    assert demo.DEFAULT_GOLD.parts[-2:] == ("data", "gold.jsonl")
+def test_default_data_paths_point_at_the_packaged_cases_and_the_gold_copy():
+    assert demo.DEFAULT_CASES.parts[-4:] == ("jevbench", "suites", "jevbench-240", "cases.jsonl")
+    assert demo.DEFAULT_GOLD.parts[-3:] == ("data", "jevbench", "gold.jsonl")
     assert demo.DEFAULT_OUT.parent.name == "runs"  # git-ignored

@@ -1,7 +1,8 @@
 """A local stand-in of SageMaker Batch Transform, run against a real container (or `serve`).
 
 It does what the service documents for `SplitType=Line`, `BatchStrategy=MultiRecord`,
-`AssembleWith=Line` (shared/notes/sagemaker.md §16):
+`AssembleWith=Line` (AWS docs: https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-batch-code.html
+and the CreateTransformJob API reference):
 
 1. asks the container's `GET /execution-parameters` (the job's own values win, then the container's,
    then the service defaults: 1 transform at a time, 6 MB);

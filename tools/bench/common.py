@@ -1,7 +1,7 @@
 """Pure helpers shared by the two benchmarks: JevBench workloads, answer comparison, timing, output.
 
-The data set is JevBench (Apache-2.0; Copyright 2026 Chen Feng; see its LICENSE and NOTICE under
-shared/data/jevbench), read in place and never copied.
+The data set is JevBench (Apache-2.0; Copyright 2026 Chen Feng): the cases of the `jevbench` package
+(tools.evaluate.jevbench; its LICENSE and NOTICE are in tools/evaluate/data/jevbench).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ the admission check: three requests of about 500, 2,000 and 4,500 tokens, the sc
 
 Every fresh question is an independent prefill, so on W2 fresh mode and the text route are timed on
 the first few questions only (`--w2-sample`) and reported as rates.
-The data set is JevBench (Apache-2.0; see its LICENSE and NOTICE under shared/data/jevbench).
+The data set is JevBench (Apache-2.0): the `jevbench` package's cases (tools.evaluate.jevbench).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from tools.bench.common import (
     request_body,
     spread,
 )
-from tools.evaluate.cases import JEVBENCH_240_CASES
+from tools.evaluate.jevbench import JEVBENCH_240_CASES
 
 CASES = JEVBENCH_240_CASES
 REPO_ROOT = Path(__file__).resolve().parents[2]

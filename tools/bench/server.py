@@ -32,7 +32,7 @@ The last lines are machine-readable (times in seconds; ratios against the 1-clie
     text_route=llama-server concurrency=1 decision_vs_text=… argmax_agree=… text_errors=…
       text_prompt_tokens=… decision_tokens=…   (1 and 4 clients)
 
-JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../shared; not copied).
+JevBench data: Apache-2.0, Copyright 2026 Chen Feng (the `jevbench` package's cases: tools.evaluate.jevbench).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from tools.bench.common import (
     spread,
 )
 from tools.bench.text_route import find_llama_server, run_llama_server, run_text_route, text_questions
-from tools.evaluate.cases import JEVBENCH_240_CASES
+from tools.evaluate.jevbench import JEVBENCH_240_CASES
 from tools.evaluate.metrics import percentile
 from tools.local_server import run_local_server
 

@@ -2,13 +2,15 @@
 
 Every figure has a named source:
 
-- Measured latency: the AWS guide this project answers (`../shared/notes/aws-guide.md`, "What it
-  measured"): Qwen3.5-4B Q4_K_M through llama.cpp on the 231 public JevBench tasks, one request at a
-  time, network included. CPU `ml.c6i.8xlarge` with 32 threads: p50 1.715 s, p95 19.291 s.
+- Measured latency: the AWS guide this project answers (`aws-samples/sagemaker-genai-hosting-examples`,
+  `03-features/semif-decision-model/README.md`, its measurement table): Qwen3.5-4B Q4_K_M through
+  llama.cpp on the 231 public JevBench tasks, one request at a time, network included. CPU
+  `ml.c6i.8xlarge` with 32 threads: p50 1.715 s, p95 19.291 s.
   GPU `ml.g6e.xlarge` (L40S), all layers on the GPU: p50 0.352 s, p95 0.599 s.
-- Tokens per request: `../shared/notes/benchmarks.md`. p50: "about 426 input tokens per decision"
-  (the SemIf run on the v1.2.1 board). p95: 3,999 tokens, the longest public hard item
-  (`hard-opus-a-long_policy-01`), an upper bound for the p95 request. Mean: 819 tokens, inferred
+- Tokens per request. p50: "about 426 input tokens per decision" (the SemIf run on the v1.2.1 board,
+  `fstandhartinger/jevbench` `RESULTS-v1.2.md`). p95: 3,999 tokens, the longest public hard item
+  (`hard-opus-a-long_policy-01`, `shisa-ai/jevbench-results` `reports/JEVBENCH.md`), an upper bound
+  for the p95 request. Mean: 819 tokens, inferred
   from 120 non-hard items at 426 and 111 hard items at "about 1,244 per hard decision".
 - vCPUs, GPU compute (dense FP16 Tensor Core TFLOPS) and prices: `stacks/instances.py` (sources there).
 
@@ -48,12 +50,16 @@ class Workload:
     p95_tokens: int = 3_999
     mean_tokens: int = 819
     source: str = (
-        "../shared/notes/benchmarks.md: ~426 tokens per decision (p50), 3,999 on the longest public hard "
-        "item (p95, an upper bound), mean 819 inferred from 120 × 426 and 111 hard × 1,244"
+        "fstandhartinger/jevbench RESULTS-v1.2.md: ~426 tokens per decision (p50); shisa-ai/jevbench-results "
+        "reports/JEVBENCH.md: 3,999 on the longest public hard item (p95, an upper bound); mean 819 "
+        "inferred from 120 × 426 and 111 hard × 1,244"
     )
 
 
-GUIDE = "../shared/notes/aws-guide.md (AWS guide, 231 public JevBench tasks, sequential, network included)"
+GUIDE = (
+    "AWS guide, aws-samples/sagemaker-genai-hosting-examples 03-features/semif-decision-model/README.md "
+    "(231 public JevBench tasks, sequential, network included)"
+)
 CPU_MEASUREMENT = Measurement("ml.c6i.8xlarge", 1.715, 19.291, GUIDE)
 GPU_MEASUREMENT = Measurement("ml.g6e.xlarge", 0.352, 0.599, GUIDE)
 REFERENCE_WORKLOAD = Workload()

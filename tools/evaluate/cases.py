@@ -20,11 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The shared JevBench copy next to the repository (read in place; demo and benchmarks default to it).
-JEVBENCH_DIR = (
-    Path(__file__).resolve().parents[3] / "shared" / "data" / "jevbench" / "jevbench-coherence-0.1.0"
-)
-JEVBENCH_240_CASES = JEVBENCH_DIR / "suites" / "jevbench-240" / "cases.jsonl"
+from tools.evaluate.jevbench import gold_for
 
 UNKNOWN = "unknown"
 QUESTION_TYPES = ("noul", "choice", "score")
@@ -117,9 +113,8 @@ def load_gold(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def default_gold_path(cases_path: Path) -> Path | None:
-    """JevBench layout: suites/<suite>/cases.jsonl has its gold in data/gold.jsonl two levels up."""
-    candidate = cases_path.resolve().parent.parent.parent / "data" / "gold.jsonl"
-    return candidate if cases_path.name == "cases.jsonl" and candidate.is_file() else None
+    """The gold labels that go with a JevBench cases file, when there are any (tools.evaluate.jevbench)."""
+    return gold_for(cases_path)
 
 
 def _item_from_record(

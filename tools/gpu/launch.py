@@ -2,7 +2,7 @@
 
 The bundled SmolLM2 (93 MB) does not fit the 64 MiB that travel, and the benchmarks look it up even
 when `--model` is given (their default). Here that lookup answers the generated model instead. The
-JevBench cases come from gpu-pack/shared/ when ../shared (where the benchmarks read them) has none.
+JevBench cases come from the `jevbench` wheel the pack carries, as everywhere else.
 
     python -m tools.gpu.launch engine|server MODEL.gguf [benchmark arguments...]
 """
@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = ("engine", "server")
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PACKED_SHARED = REPO_ROOT / "gpu-pack" / "shared"
 
 
 def stand_in(model: Path) -> None:
@@ -26,18 +24,6 @@ def stand_in(model: Path) -> None:
         return model
 
     bundled.smollm2_path = smollm2_path  # type: ignore[assignment]
-
-
-def packed_cases(shared: Path = PACKED_SHARED) -> None:
-    """Point the benchmarks' JevBench paths at the packed copy, unless the usual one is there."""
-    from tools.evaluate import cases
-
-    if cases.JEVBENCH_240_CASES.is_file():
-        return
-    from tools.gpu.pack import JEVBENCH_RELATIVE
-
-    cases.JEVBENCH_DIR = shared / JEVBENCH_RELATIVE
-    cases.JEVBENCH_240_CASES = cases.JEVBENCH_DIR / "suites" / "jevbench-240" / "cases.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model} is not a file", file=sys.stderr)
         return 2
     stand_in(model)  # both before the benchmark module imports them
-    packed_cases()
     module = importlib.import_module(f"tools.bench.{name}")
     return int(module.main(["--model", str(model), *rest]))
 

@@ -6,13 +6,13 @@ needs travels in `gpu-pack/` (gitignored; named in the device tool's `carry`):
 
 - `wheels/`: the runtime and benchmark dependencies as CPython 3.12 manylinux x86_64 or pure-Python
   wheels, at the versions this venv runs (its `pip freeze` is the constraint file), and
-  scikit-build-core to build llama-cpp-python;
+  scikit-build-core to build llama-cpp-python; `jevbench`'s wheel among them carries the JevBench-240
+  cases the benchmarks read (tools.evaluate.jevbench);
 - `llama_cpp_python-<v>.tar.gz`: llama-cpp-python's sdist without what a CUDA build never reads
   (llama.cpp's docs, vocab models, tests, tools, other GPU backends): 77 MB as published;
 - `tokenizer.gguf`: the bundled SmolLM2's tokenizer alone. The bundled model itself (93 MB) cannot
   travel, so the machine writes a random-weight model of the production architecture at its size
   (tools/qwen35_gguf.py, Qwen3.5-4B) and benchmarks that: speed does not depend on the weights;
-- `shared/`: the JevBench-240 cases the benchmarks read (with the data set's LICENSE and NOTICE).
 
 There, `tools/gpu/remote.sh` builds llama.cpp with CUDA for sm_90, creates a venv offline from the
 wheels, writes the model, and runs `tools.bench.engine` and the `tools.bench.server` concurrency
@@ -39,7 +39,7 @@ PYTHON_VERSION = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
 # Packages the benchmarks need beyond the container's runtime, pinned in requirements.txt.
-BENCH_PACKAGES = ("rich", "httpx", "gguf", "PyYAML")
+BENCH_PACKAGES = ("rich", "httpx", "gguf", "PyYAML", "jevbench")
 # Builds the llama-cpp-python sdist there (pip --no-build-isolation: nothing to download); pip itself
 # for a Python whose venv module has no ensurepip (the Makefile's pin).
 BUILD_REQUIREMENTS = ("scikit-build-core==1.1.2", "pip==25.3")
@@ -67,8 +67,6 @@ SDIST_DROPPED = (
 SDIST_TOP_DROPPED = (".git", "docker", "docs", "examples", "tests")
 # ggml backends kept: the CPU one (always built) and CUDA; the others are added only when enabled.
 GGML_BACKENDS_KEPT = ("ggml-cpu", "ggml-cuda")
-JEVBENCH_RELATIVE = Path("data") / "jevbench" / "jevbench-coherence-0.1.0"
-JEVBENCH_FILES = ("LICENSE", "NOTICE", "suites/jevbench-240/cases.jsonl")
 REMOTE_COMMAND = "bash tools/gpu/remote.sh"
 
 Runner = Callable[[Sequence[str]], None]
@@ -242,12 +240,9 @@ def pack(
     pip: Sequence[str] = (sys.executable, "-m", "pip"),
     freeze: Callable[[], str] | None = None,
     tokenizer_source: Callable[[], Path] | None = None,
-    jevbench: Path | None = None,
 ) -> list[Part]:
     """Fill `repo/gpu-pack/`. Rerunnable: the wheels are fetched again (from pip's cache), the trimmed
     sdist and the tokenizer kept while their versions stand. Returns the pack's parts."""
-    from tools.evaluate.cases import JEVBENCH_DIR
-
     out = repo / PACK_DIR
     wheels = out / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)  # no stale versions (pip's cache makes this cheap)
@@ -280,20 +275,10 @@ def pack(
 
         write_tokenizer_only(tokenizer, (tokenizer_source or _bundled_model)())
 
-    data_src = jevbench or JEVBENCH_DIR
-    data_dst = out / "shared" / JEVBENCH_RELATIVE
-    for name in JEVBENCH_FILES:
-        source = data_src / name
-        if not source.is_file():
-            raise PackError(f"{source} is missing: the benchmarks read the JevBench-240 cases")
-        (data_dst / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, data_dst / name)
-
     return [
         Part("wheels", size_of([wheels])),
         Part("llama.cpp sdist", size_of([sdist])),
         Part("tokenizer", size_of([tokenizer])),
-        Part("JevBench cases", size_of([out / "shared"])),
         Part("lists", size_of([requirements, constraint])),
     ]
 

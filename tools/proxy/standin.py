@@ -3,7 +3,8 @@
     with run_standin("http://127.0.0.1:8080", endpoints={"decider-cpu"}) as standin:
         os.environ["AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME"] = standin.url   # botocore honours it
 
-What it does, as the service documents it (`shared/notes/sagemaker.md` §16):
+What it does, as the service documents it (AWS docs: the InvokeEndpoint and
+InvokeEndpointWithResponseStream API references of the SageMaker runtime):
 - `POST /endpoints/{name}/invocations` and `/invocations-response-stream` need a SigV4
   `Authorization` header (403 otherwise) and a known endpoint name (400 `ValidationError`
   "Endpoint … not found" otherwise);
