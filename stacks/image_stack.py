@@ -40,6 +40,7 @@ from stacks.config import (
     deployed_image_parameter,
 )
 from stacks.handlers.build_states import FAILED_STATES
+from stacks.handlers.post_deploy_check import parked_prefix
 from stacks.nag import acknowledge
 from stacks.paths import ASSET_EXCLUDES, BUILDSPEC_DIR, CONTAINER_DIR, HANDLERS_DIR, container_excludes
 
@@ -381,7 +382,21 @@ class BuildProvider(Construct):
                 ],
             )
         )
-        # The post-deploy check skips itself while its stack rolls back.
+        # The update guard compares the endpoint's blue/green peak with the account's quotas.
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ReadEndpointQuotas",
+                actions=["servicequotas:ListServiceQuotas", "servicequotas:ListAWSDefaultServiceQuotas"],
+                resources=["*"],
+            )
+        )
+        acknowledge(
+            on_event,
+            "AwsSolutions-IAM5[Resource::*]",
+            "Service Quotas' List actions have no resource-level permissions; the update guard only reads "
+            "SageMaker's instance quotas before an endpoint update.",
+        )
+        # The post-deploy check and the update guard skip themselves while their stack rolls back.
         on_event.add_to_role_policy(
             iam.PolicyStatement(
                 sid="SeeStackRollbacks",
@@ -499,7 +514,9 @@ class BuildProvider(Construct):
             return stack.format_arn(service="sagemaker", resource=resource, resource_name=name)
 
         endpoints = [variant.endpoint_name.lower() for variant in endpoint_stacks.values()]
-        parked = [arn("endpoint-config", f"{name}-parked-*") for name in endpoints]
+        # The parked configs' names keep only the first characters of a long endpoint name.
+        prefixes = [parked_prefix(variant.endpoint_name).lower() for variant in endpoint_stacks.values()]
+        parked = [arn("endpoint-config", f"{prefix}*") for prefix in prefixes]
         function.add_to_role_policy(
             iam.PolicyStatement(
                 sid="ReadPreviousConfigs",
@@ -554,8 +571,8 @@ class BuildProvider(Construct):
         for resource in [
             "arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/*",
             *[
-                f"arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/{n}-parked-*"
-                for n in endpoints
+                f"arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/{prefix}*"
+                for prefix in prefixes
             ],
             *[
                 f"arn:<AWS::Partition>:cloudwatch:<AWS::Region>:<AWS::AccountId>:alarm:{n}-*"

@@ -82,9 +82,8 @@ def quota_values(service_quotas: Any, service_code: str) -> dict[str, tuple[str,
 
 
 def peak_instances(variant: VariantConfig) -> int:
-    """Instances a blue/green update runs at once at most: the old fleet and a new one of its size."""
-    fleet = variant.max_capacity if variant.autoscaling else variant.initial_instance_count
-    return 2 * fleet
+    """Instances a blue/green update runs at once at most (VariantConfig.blue_green_peak)."""
+    return variant.blue_green_peak
 
 
 def other_usage(sagemaker: Any, own_endpoints: set[str]) -> dict[str, int]:
