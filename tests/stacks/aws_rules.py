@@ -2,8 +2,8 @@
 templates (a plain module: the stack tests import it).
 
 - `canary_violations`: CanarySize / LinearStepSize "must be less than or equal to 50% of the variant's
-  total instance count" (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TrafficRoutingConfig.html),
-  against the fewest instances the variant can run (its scalable target's MinCapacity).
+  total instance count"
+  (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TrafficRoutingConfig.html), against the fewest instances the variant can run (its scalable target's MinCapacity).
 - `rollback_readability_violations`: every rollback starts a fleet from the previous config, with the
   previous Model's execution role; after an update as CloudFormation applies it (the policy updated
   in place, or the role replaced), that role must still read the previous model and pull the previous
@@ -62,7 +62,8 @@ def _grants(template: dict[str, Any], role: str, action: str) -> set[str]:
         for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
             actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
             if action in actions:
-                found = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+                found = statement["Resource"]
+                found = found if isinstance(found, list) else [found]
                 granted |= {json.dumps(r, sort_keys=True) for r in found}
     return granted
 

@@ -44,9 +44,10 @@ def test_a_rollback_can_read_the_previous_model_and_image(synth: Synth, upgraded
     assert rollback_readability_violations(before, after) == []
     # The new Model's role reads the new model (and pulls the new image), not only the old one.
     new_model = only(after, "AWS::SageMaker::Model")
-    assert new_model["Properties"]["ExecutionRoleArn"] != only(before, "AWS::SageMaker::Model")["Properties"][
-        "ExecutionRoleArn"
-    ]
+    assert (
+        new_model["Properties"]["ExecutionRoleArn"]
+        != only(before, "AWS::SageMaker::Model")["Properties"]["ExecutionRoleArn"]
+    )
 
 
 def test_the_readability_rule_catches_a_policy_narrowed_in_place(synth: Synth) -> None:
@@ -85,7 +86,7 @@ def test_an_explicit_canary_on_an_async_variant_that_scales_to_zero_is_refused()
         "cpu.invocation": "async",
         "cpu.deployment.traffic_routing": "CANARY",
     }
-    with pytest.raises(ConfigError, match=r"cpu\.deployment\.step_instance_count: 1 must be at most half of "):
+    with pytest.raises(ConfigError, match=r"cpu\.deployment\.step_instance_count: 1 must be at most half"):
         load_config(context)
     load_config({**context, "cpu.async_inference.min_capacity": "2"})  # a floor the canary fits
 
