@@ -3,7 +3,8 @@ templates (a plain module: the stack tests import it).
 
 - `canary_violations`: CanarySize / LinearStepSize "must be less than or equal to 50% of the variant's
   total instance count"
-  (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TrafficRoutingConfig.html), against the fewest instances the variant can run (its scalable target's MinCapacity).
+  (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TrafficRoutingConfig.html), against
+  the fewest instances the variant can run (its scalable target's MinCapacity).
 - `rollback_readability_violations`: every rollback starts a fleet from the previous config, with the
   previous Model's execution role; after an update as CloudFormation applies it (the policy updated
   in place, or the role replaced), that role must still read the previous model and pull the previous
