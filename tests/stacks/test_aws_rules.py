@@ -117,3 +117,40 @@ def test_an_instance_type_change_under_autoscaling_is_refused(synth: Synth) -> N
     assert "Application Auto Scaling target" in problem and "-c cpu.autoscaling=false alone first" in problem
     assert update_guard.update_refusals({**old, "Autoscaling": "false"}, new) == []
     assert update_guard.update_refusals(old, {**old, "PeakInstances": "10"}) == []  # the model only
+
+
+LONG_NAMES = {"cpu": "decider-cpu-" + "x" * 51, "gpu": "Decider-GPU-" + "y" * 31}  # 63 and 43 characters
+
+
+@pytest.fixture(scope="module")
+def long_names(tmp_path_factory: pytest.TempPathFactory) -> Synth:
+    context = {f"{variant}.endpoint_name": name for variant, name in LONG_NAMES.items()}
+    return run_synth(tmp_path_factory.mktemp("cdk-long-names"), context, nag=False)
+
+
+def _config_patterns(template: dict[str, Any], sid: str) -> list[str]:
+    """The endpoint-config ARN patterns of one statement of the provider's policies (their last part)."""
+    patterns = []
+    for policy in resources(template, "AWS::IAM::Policy").values():
+        for statement in policy["Properties"]["PolicyDocument"]["Statement"]:
+            if statement.get("Sid") == sid:
+                for arn in statement["Resource"]:
+                    last = arn["Fn::Join"][1][-1] if isinstance(arn, dict) else arn
+                    if ":endpoint-config/" in last:
+                        patterns.append(last.split(":endpoint-config/", 1)[1])
+    return patterns
+
+
+def test_the_parking_iam_patterns_match_the_names_the_handler_makes(long_names: Synth) -> None:
+    """SageMaker ARNs carry names in lower case; a parked config keeps 42 characters of the endpoint's."""
+    from fnmatch import fnmatchcase
+
+    from stacks.handlers.post_deploy_check import parking_config_name
+
+    template = long_names.templates["ImageStack"]
+    for sid in ("CreateParkedConfigs", "ParkEndpoints"):
+        patterns = _config_patterns(template, sid)
+        assert len(patterns) == 2, (sid, patterns)
+        for name in LONG_NAMES.values():
+            parked = parking_config_name(name, "DeciderConfigAAAA-previous", "DeciderConfigBBBB-new").lower()
+            assert any(fnmatchcase(parked, pattern) for pattern in patterns), (sid, parked, patterns)

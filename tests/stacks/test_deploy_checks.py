@@ -405,3 +405,168 @@ def test_an_async_endpoint_is_checked_by_its_config_without_smoke_calls(aws):
         post_deploy_check.PostDeployCheckError, match="runs endpoint config DeciderConfig-OLD"
     ):
         codebuild_job.is_complete(event("Update", props, Data=data), clients=aws["clients"], now=NOW)
+
+
+# --- parking: wait, copy the synthesized config, park once, only in time (issue 24) ------------------
+
+PREVIOUS_CONFIG = "DeciderConfig-OLD"
+PARKED = post_deploy_check.parking_config_name("decider-cpu", PREVIOUS_CONFIG, "DeciderConfig-NEW")
+
+
+class RecordingJson:
+    """Stands in for stacks.handlers.sagemaker_json.SageMakerJson: records each call's body."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append((operation, body))
+        return {
+            "EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/{body['EndpointConfigName']}"
+        }
+
+
+def resolve(value: Any) -> Any:
+    """A template value as CloudFormation would resolve it, with made-up names for references."""
+    if isinstance(value, dict):
+        if "Fn::Join" in value:
+            separator, parts = value["Fn::Join"]
+            return separator.join(str(resolve(part)) for part in parts)
+        if "Fn::GetAtt" in value:
+            return "-".join(value["Fn::GetAtt"])
+        if "Ref" in value:
+            return f"ref-{value['Ref']}"
+        return {k: resolve(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve(v) for v in value]
+    return value
+
+
+def check_update(aws: dict[str, Any], old_props: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """onEvent of the check for an update from `old_props`, as the provider passes it on."""
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    update = event("Update", CHECK_PROPS, OldResourceProperties=old_props)
+    return {**update, **codebuild_job.on_event(update, clients=aws["clients"], now=now)}
+
+
+def config_missing(aws: dict[str, Any], name: str) -> None:
+    aws["sagemaker"].add_client_error(
+        "describe_endpoint_config",
+        "ValidationException",
+        "Could not find endpoint configuration",
+        expected_params={"EndpointConfigName": name},
+    )
+
+
+@pytest.mark.parametrize("status", ["Updating", "SystemUpdating"])
+def test_the_check_waits_while_the_endpoint_updates_on_its_own_config(aws, status):
+    """Autoscaling's held-back scale-out right after the bake (or patching): wait, do not fail."""
+    data = {"StartedAt": NOW.isoformat()}
+    endpoint(aws, "DeciderConfig-NEW", status=status)
+    soon = NOW + timedelta(minutes=3)
+    assert codebuild_job.is_complete(
+        event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=soon
+    ) == {"IsComplete": False}
+    endpoint(aws, "DeciderConfig-NEW", status=status)
+    late = NOW + post_deploy_check.UPDATING_WAIT + timedelta(seconds=1)
+    with pytest.raises(post_deploy_check.PostDeployCheckError, match=f"still {status} on DeciderConfig-NEW"):
+        codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=late)
+
+
+def test_parking_copies_every_field_of_the_synthesized_gpu_config(aws, synth_prebuilt):
+    """The GPU config with PREFIX_AWARE routing and instance pools, as the template gives it to
+    CloudFormation, is what the parked copy repeats: sent as JSON, not through the runtime's botocore."""
+    template = synth_prebuilt.templates["GpuStack"]
+    [check_props] = [
+        r["Properties"] for r in template["Resources"].values() if r["Type"] == "Custom::PostDeployCheck"
+    ]
+    [config] = [
+        r["Properties"]
+        for r in template["Resources"].values()
+        if r["Type"] == "AWS::SageMaker::EndpointConfig"
+    ]
+    synthesized = resolve({k: v for k, v in config.items() if k != "Tags"})
+    variant = synthesized["ProductionVariants"][0]
+    assert variant["RoutingConfig"]["PrefixAwareRoutingConfig"] == {
+        "PrefixLength": 2048,
+        "ConcurrencyThreshold": 2,
+    }
+    assert len(variant["InstancePools"]) == 3
+    old = {
+        **CHECK_PROPS,
+        "EndpointConfigName": PREVIOUS_CONFIG,
+        "EndpointConfig": resolve(check_props["EndpointConfig"]),
+    }
+    started = check_update(aws, old, NOW)
+    aws["clients"]["sagemaker-json"] = recorder = RecordingJson()
+    endpoint(aws, PREVIOUS_CONFIG)  # SageMaker rolled the update back on its own
+    config_missing(aws, PARKED)
+    aws["sagemaker"].add_response(
+        "update_endpoint",
+        {"EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/decider-cpu"},
+        {
+            "EndpointName": "decider-cpu",
+            "EndpointConfigName": PARKED,
+            "RetainAllVariantProperties": True,
+            "DeploymentConfig": post_deploy_check.parking_deployment(55 * 60 - 60),
+        },
+    )
+    result = codebuild_job.is_complete(started, clients=aws["clients"], now=NOW + timedelta(minutes=1))
+    assert result == {"IsComplete": False}
+    [(operation, body)] = recorder.calls
+    assert operation == "CreateEndpointConfig" and body["EndpointConfigName"] == PARKED
+    assert {k: v for k, v in body.items() if k not in ("EndpointConfigName", "Tags")} == synthesized
+    assert {"Key": "promote:endpoint", "Value": "decider-cpu"} in body["Tags"]
+    policy = post_deploy_check.parking_deployment(3540)["BlueGreenUpdatePolicy"]
+    assert policy["MaximumExecutionTimeoutInSeconds"] == 3540  # the parking update has a deadline
+
+
+def test_a_parked_update_that_did_not_take_ends_the_check_without_parking_again(aws):
+    data = {"StartedAt": NOW.isoformat(), "PreviousConfig": PREVIOUS_CONFIG}
+    endpoint(aws, PREVIOUS_CONFIG, reason="the parked update was rolled back")
+    parked_arn = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/{PARKED}"
+    described = {
+        "EndpointConfigName": PARKED,
+        "EndpointConfigArn": parked_arn,
+        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "model-previous"}],
+        "CreationTime": NOW,
+    }
+    aws["sagemaker"].add_response("describe_endpoint_config", described, {"EndpointConfigName": PARKED})
+    aws["sagemaker"].add_response("describe_endpoint_config", described, {"EndpointConfigName": PARKED})
+    aws["sagemaker"].add_response(
+        "list_tags",
+        {"Tags": [{"Key": "decider:parked-because", "Value": "smoke calls failed"}]},
+        {"ResourceArn": parked_arn},
+    )
+    with pytest.raises(post_deploy_check.PostDeployCheckError) as failure:
+        codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=NOW)
+    message = str(failure.value)
+    assert message.startswith("smoke calls failed; parking decider-cpu on")  # the first failure, kept
+    assert (
+        "did not take" in message and "not parked twice" in message and "continue-update-rollback" in message
+    )
+    # (the Stubber fails on any UpdateEndpoint: none was made)
+
+
+def test_no_parking_when_the_time_left_cannot_cover_provisioning_download_and_health_check(aws):
+    data = {"StartedAt": NOW.isoformat(), "PreviousConfig": PREVIOUS_CONFIG}
+    endpoint(aws, PREVIOUS_CONFIG)
+    config_missing(aws, PARKED)
+    late = NOW + timedelta(minutes=40)  # 15 min left; 600 + 900 + 900 s may be needed
+    with pytest.raises(
+        post_deploy_check.PostDeployCheckError, match=r"not parking decider-cpu: .* 2400 s, only 900 s"
+    ):
+        codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=late)
+
+
+def test_the_handlers_deadline_is_the_providers():
+    from stacks.config import PROVIDER_TOTAL_TIMEOUT_MINUTES
+
+    assert post_deploy_check.PROVIDER_DEADLINE == timedelta(minutes=PROVIDER_TOTAL_TIMEOUT_MINUTES)
+
+
+@pytest.mark.parametrize("length", range(1, 64))
+def test_the_parked_name_fits_and_keeps_the_iam_prefix(length):
+    name = ("Ab1-" * 16)[:length].rstrip("-") or "a"
+    parked = post_deploy_check.parking_config_name(name, "prev", "new")
+    assert len(parked) <= 63 and parked.startswith(post_deploy_check.parked_prefix(name))
