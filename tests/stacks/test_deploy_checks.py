@@ -421,9 +421,8 @@ class RecordingJson:
 
     def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append((operation, body))
-        return {
-            "EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/{body['EndpointConfigName']}"
-        }
+        name = body["EndpointConfigName"]
+        return {"EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/{name}"}
 
 
 def resolve(value: Any) -> Any:
@@ -562,7 +561,8 @@ def test_no_parking_when_the_time_left_cannot_cover_provisioning_download_and_he
 def test_the_handlers_deadline_is_the_providers():
     from stacks.config import PROVIDER_TOTAL_TIMEOUT_MINUTES
 
-    assert post_deploy_check.PROVIDER_DEADLINE == timedelta(minutes=PROVIDER_TOTAL_TIMEOUT_MINUTES)
+    expected = timedelta(minutes=PROVIDER_TOTAL_TIMEOUT_MINUTES)
+    assert expected == post_deploy_check.PROVIDER_DEADLINE
 
 
 @pytest.mark.parametrize("length", range(1, 64))
