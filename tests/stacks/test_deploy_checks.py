@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError
 from botocore.stub import ANY
 from handler_helpers import body, start_handle, stubbed_clients
 
-from stacks.handlers import build_watcher, codebuild_job, post_deploy_check, wait_signal
+from stacks.handlers import bake_load, build_watcher, codebuild_job, post_deploy_check, wait_signal
 from stacks.handlers.image_retention import parse_image_uri, protect_image
 from stacks.handlers.smoke import CHAT_REQUEST, DECISION_REQUEST
 
@@ -324,48 +326,105 @@ LOAD_PROPS = {
 }
 
 
-def synthetic_requests(aws: dict[str, Any], count: int, *, fail: bool = False) -> None:
-    for _ in range(count):
-        expected = {
-            "EndpointName": "decider-cpu",
-            "ContentType": "application/json",
-            "Accept": "application/json",
-            "CustomAttributes": "route=/v1/systemone",
-            "Body": json.dumps(DECISION_REQUEST).encode(),
+class FakeTime:
+    """Stands in for the `time` module of bake_load: a clock that only sleeps and invokes move."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+class SlowRuntime:
+    """sagemaker-runtime answering each InvokeEndpoint after 2 s of fake time (a CPU endpoint's pace)."""
+
+    def __init__(self, clock: FakeTime, *, fail: bool = False) -> None:
+        self.clock, self.fail = clock, fail
+        self.calls: list[tuple[float, dict[str, Any]]] = []
+
+    def invoke_endpoint(self, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append((self.clock.now, kwargs))
+        self.clock.now += 2.0
+        if self.fail:
+            raise ClientError({"Error": {"Code": "ModelError", "Message": "500"}}, "InvokeEndpoint")
+        return {"Body": body(DECISION_OK), "ContentType": "application/json"}
+
+
+class EndpointStatus:
+    """DescribeEndpoint answering `status` (set by the test)."""
+
+    def __init__(self, status: str, config: str = "DeciderConfig-OLD") -> None:
+        self.status, self.config = status, config
+
+    def describe_endpoint(self, EndpointName: str) -> dict[str, Any]:  # noqa: N803 - boto3's spelling
+        return {
+            "EndpointName": EndpointName,
+            "EndpointStatus": self.status,
+            "EndpointConfigName": self.config,
         }
-        if fail:
-            aws["sagemaker-runtime"].add_client_error(
-                "invoke_endpoint", "ModelError", expected_params=expected
-            )
-        else:
-            aws["sagemaker-runtime"].add_response(
-                "invoke_endpoint", {"Body": body(DECISION_OK), "ContentType": "application/json"}, expected
-            )
 
 
-def test_a_quiet_canary_gets_synthetic_load_while_the_update_bakes(aws):
+def poll_bake(clients: dict[str, Any], clock: FakeTime, data: dict[str, Any]) -> dict[str, Any]:
+    """One poll of the provider, then its 30 s query interval and ~1 s of invocation overhead."""
+    result = bake_load.check(clients, LOAD_PROPS, data, now=datetime.fromtimestamp(clock.now, UTC))
+    clock.now += 31.0
+    return result
+
+
+def test_every_minute_of_the_bake_gets_the_alarms_floor_of_synthetic_requests(monkeypatch):
+    """With 2 s answers and the provider's 30 s between polls, every calendar minute (CloudWatch's
+    period) of the bake gets LoadPerMinute (12) requests, at least error_rate_min_invocations (10)."""
+    from stacks.config import load_config
+    from stacks.synth import cdk_json_context
+
+    clock = FakeTime(1_767_268_817.0)  # not on a minute boundary
+    monkeypatch.setattr(bake_load, "time", clock)
+    runtime = SlowRuntime(clock)
+    clients = {"sagemaker": EndpointStatus("Updating"), "sagemaker-runtime": runtime}
+    data = {"StartedAt": datetime.fromtimestamp(clock.now, UTC).isoformat()}
+    end = clock.now + 15 * 60
+    while clock.now < end:
+        assert poll_bake(clients, clock, data) == {"IsComplete": False}
+    per_minute = Counter(int(t // 60) for t, _ in runtime.calls)
+    full = sorted(per_minute)[1:-1]
+    assert len(full) >= 12
+    floor = load_config(cdk_json_context()).cpu.alarms.error_rate_min_invocations
+    assert min(per_minute[m] for m in full) >= int(LOAD_PROPS["LoadPerMinute"]) >= floor, per_minute
+    # PREFIX_AWARE routing hashes the body's first bytes: every synthetic request starts differently.
+    heads = [call["Body"][:40] for _, call in runtime.calls]
+    assert len(set(heads)) == len(heads)
+    assert all(call["CustomAttributes"] == "route=/v1/systemone" for _, call in runtime.calls)
+    assert json.loads(runtime.calls[0][1]["Body"])["questions"] == DECISION_REQUEST["questions"]
+
+
+def test_a_broken_canary_keeps_getting_load_and_the_load_ends_with_the_update(aws, monkeypatch):
+    clock = FakeTime(1_767_268_800.0)
+    monkeypatch.setattr(bake_load, "time", clock)
     stack_status(aws, "UPDATE_IN_PROGRESS")
     started = codebuild_job.on_event(event("Update", LOAD_PROPS), clients=aws["clients"], now=NOW)
     assert started["PhysicalResourceId"] == "bake-load:decider-cpu"
-    polled = {**started}
+    data = started["Data"]
+    status = EndpointStatus("InService")
+    runtime = SlowRuntime(clock, fail=True)
+    clients = {"sagemaker": status, "sagemaker-runtime": runtime}
+    assert poll_bake(clients, clock, {"StartedAt": clock_iso(clock)}) == {"IsComplete": False}  # not begun
+    assert runtime.calls == []
+    status.status = "Updating"
+    assert poll_bake(clients, clock, data | {"StartedAt": clock_iso(clock)}) == {"IsComplete": False}
+    assert len(runtime.calls) >= 12  # failed calls are what the alarms count: the load goes on
+    status.status, status.config = "InService", "DeciderConfig-NEW"
+    assert poll_bake(clients, clock, {"StartedAt": clock_iso(clock, -20 * 60)})["IsComplete"] is True
 
-    def poll(minutes: float) -> dict[str, Any]:
-        return codebuild_job.is_complete(
-            event("Update", LOAD_PROPS, **polled),
-            clients=aws["clients"],
-            now=NOW + timedelta(minutes=minutes),
-        )
 
-    endpoint(aws, "DeciderConfig-OLD")  # CloudFormation has not called UpdateEndpoint yet: wait
-    assert poll(0.5) == {"IsComplete": False}
-    endpoint(aws, "DeciderConfig-OLD", status="Updating")
-    synthetic_requests(aws, 6)  # half a minute of 12 a minute: ≥ the alarms' 10 invocations a minute
-    assert poll(1) == {"IsComplete": False}
-    endpoint(aws, "DeciderConfig-OLD", status="Updating")
-    synthetic_requests(aws, 6, fail=True)  # a broken canary: the alarms count these, the load goes on
-    assert poll(1.5) == {"IsComplete": False}
-    endpoint(aws, "DeciderConfig-NEW")
-    assert poll(20)["IsComplete"] is True
+def clock_iso(clock: FakeTime, offset_s: float = 0.0) -> str:
+    return datetime.fromtimestamp(clock.now + offset_s, UTC).isoformat()
 
 
 def test_no_load_on_create_or_rollback_and_never_past_the_providers_limit(aws):
