@@ -154,3 +154,11 @@ def test_the_parking_iam_patterns_match_the_names_the_handler_makes(long_names: 
         for name in LONG_NAMES.values():
             parked = parking_config_name(name, "DeciderConfigAAAA-previous", "DeciderConfigBBBB-new").lower()
             assert any(fnmatchcase(parked, pattern) for pattern in patterns), (sid, parked, patterns)
+
+
+def test_a_synthetic_load_below_the_alarms_floor_is_refused() -> None:
+    """The rollback alarms count a minute under error_rate_min_invocations (10) as 0 %."""
+    context = {**cdk_json_context(), "cpu.deployment.synthetic_load_per_minute": "6"}
+    with pytest.raises(ConfigError, match=r"cpu\.deployment\.synthetic_load_per_minute: 6 is below"):
+        load_config(context)
+    load_config({**context, "cpu.deployment.synthetic_load_per_minute": "0"})  # none at all is allowed

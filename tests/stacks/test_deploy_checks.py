@@ -14,7 +14,14 @@ from botocore.exceptions import ClientError
 from botocore.stub import ANY
 from handler_helpers import body, start_handle, stubbed_clients
 
-from stacks.handlers import bake_load, build_watcher, codebuild_job, post_deploy_check, wait_signal
+from stacks.handlers import (
+    bake_load,
+    build_watcher,
+    codebuild_job,
+    post_deploy_check,
+    update_guard,
+    wait_signal,
+)
 from stacks.handlers.image_retention import parse_image_uri, protect_image
 from stacks.handlers.smoke import CHAT_REQUEST, DECISION_REQUEST
 
@@ -629,3 +636,66 @@ def test_the_parked_name_fits_and_keeps_the_iam_prefix(length):
     name = ("Ab1-" * 16)[:length].rstrip("-") or "a"
     parked = post_deploy_check.parking_config_name(name, "prev", "new")
     assert len(parked) <= 63 and parked.startswith(post_deploy_check.parked_prefix(name))
+
+
+# --- the update guard: documented refusals and the quota, before the Endpoint is touched -------------
+
+GUARD_PROPS = {
+    "ServiceToken": SERVICE_TOKEN,
+    "Kind": "UpdateGuard",
+    "Variant": "cpu",
+    "EndpointName": "decider-cpu",
+    "EndpointConfigName": "DeciderConfig-NEW",
+    "Invocation": "realtime",
+    "InstanceTypes": ["ml.c7i.8xlarge"],
+    "Autoscaling": "true",
+    "InitialInstances": "2",
+    "PeakInstances": "8",
+}
+
+
+def quotas(aws: dict[str, Any], value: float, applied: float | None = None) -> None:
+    quota = {"QuotaName": "ml.c7i.8xlarge for endpoint usage", "QuotaCode": "L-1", "ServiceCode": "sagemaker"}
+    aws["service-quotas"].add_response(
+        "list_aws_default_service_quotas",
+        {"Quotas": [{**quota, "Value": value}]},
+        {"ServiceCode": "sagemaker"},
+    )
+    aws["service-quotas"].add_response(
+        "list_service_quotas",
+        {"Quotas": [{**quota, "Value": applied}] if applied is not None else []},
+        {"ServiceCode": "sagemaker"},
+    )
+
+
+def test_the_guard_refuses_a_blue_green_peak_above_the_quota(aws):
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    quotas(aws, 2, applied=6)  # the applied value wins over the default
+    update = event("Update", GUARD_PROPS, OldResourceProperties={**GUARD_PROPS, "EndpointConfigName": "OLD"})
+    with pytest.raises(
+        update_guard.UpdateRefusedError, match=r"quota 'ml.c7i.8xlarge for endpoint usage' is 6, but"
+    ):
+        codebuild_job.on_event(update, clients=aws["clients"], now=NOW)
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    quotas(aws, 8)
+    result = codebuild_job.on_event(update, clients=aws["clients"], now=NOW)
+    assert result["PhysicalResourceId"] == "update-guard:decider-cpu"
+    done = codebuild_job.is_complete({**update, **result}, clients=aws["clients"])
+    assert done["IsComplete"] is True
+
+
+def test_the_guard_checks_the_first_fleet_on_create_and_nothing_while_rolling_back(aws):
+    quotas(aws, 1)
+    with pytest.raises(update_guard.UpdateRefusedError, match="runs 2 instances to start"):
+        codebuild_job.on_event(event("Create", GUARD_PROPS), clients=aws["clients"], now=NOW)
+    stack_status(aws, "UPDATE_ROLLBACK_IN_PROGRESS")  # the way back is never refused (no quota read)
+    flip = event("Update", GUARD_PROPS, OldResourceProperties={**GUARD_PROPS, "Invocation": "async"})
+    assert codebuild_job.on_event(flip, clients=aws["clients"], now=NOW)["Data"] == {
+        "Result": "skipped (rollback)"
+    }
+
+
+def test_the_guard_passes_when_the_quotas_cannot_be_read(aws):
+    aws["service-quotas"].add_client_error("list_aws_default_service_quotas", "AccessDeniedException")
+    result = codebuild_job.on_event(event("Create", GUARD_PROPS), clients=aws["clients"], now=NOW)
+    assert "accepted" in result["Data"]["Result"]
