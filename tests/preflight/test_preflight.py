@@ -386,7 +386,7 @@ def test_a_compute_type_codebuild_does_not_offer_in_the_region_blocks(aws, capsy
     assert "-c gpu.image_uri=<repo>@sha256:<digest>" in build["fix"]
 
 
-def _live(aws, count: int, invocations_per_minute: float) -> None:
+def _live(aws, count: int, value: float, metric: str = "Invocations") -> None:
     aws["sagemaker"].add_response(
         "describe_endpoint",
         {
@@ -400,9 +400,22 @@ def _live(aws, count: int, invocations_per_minute: float) -> None:
         },
         {"EndpointName": "decider-cpu"},
     )
+    statistic = "Sum" if metric == "Invocations" else "Average"
     aws["cloudwatch"].add_response(
         "get_metric_statistics",
-        {"Datapoints": [{"Sum": invocations_per_minute, "Timestamp": NOW}] * 15},
+        {"Datapoints": [{statistic: value, "Timestamp": NOW}] * 15},
+        {
+            "Namespace": "AWS/SageMaker",
+            "MetricName": metric,
+            "Dimensions": [
+                {"Name": "EndpointName", "Value": "decider-cpu"},
+                {"Name": "VariantName", "Value": "AllTraffic"},
+            ],
+            "StartTime": NOW - checks.LOAD_WINDOW,
+            "EndTime": NOW,
+            "Period": 60,
+            "Statistics": [statistic],
+        },
     )
 
 
@@ -411,7 +424,7 @@ def _live(aws, count: int, invocations_per_minute: float) -> None:
     [(2, 12.0, "warning"), (2, 4.0, "ok"), (4, 40.0, "ok")],  # target 10 a minute per instance
 )
 def test_a_deploy_at_a_low_instance_count_under_load_warns(aws, count, per_minute, status):
-    config = load_config(cdk_json_context())
+    config = load_config({**cdk_json_context(), "cpu.scaling_metric": "invocations"})
     target = checks.Target(config, (config.cpu,), REGION, ACCOUNT)
     _live(aws, count, per_minute)
     [finding] = checks.frozen_scaling(aws["clients"]["sagemaker"], aws["clients"]["cloudwatch"], target, NOW)
@@ -420,4 +433,19 @@ def test_a_deploy_at_a_low_instance_count_under_load_warns(aws, count, per_minut
     if status == "warning":
         assert "autoscaling cannot add instances during the update" in finding.detail
         assert "--min-capacity 4" in finding.fix and "--min-capacity 2 after the deploy" in finding.fix
+    aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)
+
+
+@pytest.mark.parametrize(("concurrency", "status"), [(2.0, "warning"), (0.5, "ok")])
+def test_under_concurrency_scaling_the_load_is_the_concurrency_per_instance(aws, concurrency, status):
+    """The default target tracking follows ConcurrentRequestsPerModel (target 2.3), not invocations:
+    2 requests in each container at once is load, whatever the invocations a minute."""
+    config = load_config(cdk_json_context())
+    assert config.cpu.scaling_metric == "concurrency"
+    target = checks.Target(config, (config.cpu,), REGION, ACCOUNT)
+    _live(aws, 2, concurrency, metric="ConcurrentRequestsPerModel")
+    [finding] = checks.frozen_scaling(aws["clients"]["sagemaker"], aws["clients"]["cloudwatch"], target, NOW)
+    assert finding.status == status
+    assert f"{concurrency:.1f} concurrent requests per instance" in finding.detail
+    assert "(target 2.3)" in finding.detail
     aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)

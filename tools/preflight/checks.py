@@ -355,15 +355,48 @@ def run_all(clients: dict[str, Any], target: Target) -> list[Finding]:
 
 
 LOAD_WINDOW = timedelta(minutes=15)
-LOW_COUNT_LOAD = 0.5  # of target_invocations_per_instance: "under load"
+LOW_COUNT_LOAD = 0.5  # of the scaling target (concurrency or invocations per instance): "under load"
+
+
+def _load_per_instance(
+    cloudwatch: Any, variant: VariantConfig, count: int, now: datetime
+) -> tuple[float, float, str]:
+    """(load per instance over the last 15 minutes, the scaling target, what they count), on the
+    metric the variant's target tracking follows: ConcurrentRequestsPerModel ("the number of
+    concurrent requests being received by a model container", one per instance) under concurrency
+    scaling, InvocationsPerInstance's source (Invocations / instances, a minute) otherwise
+    (https://docs.aws.amazon.com/sagemaker/latest/dg/endpoint-auto-scaling-add-code-define.html)."""
+    concurrency = variant.scaling_metric == "concurrency"
+    points = cloudwatch.get_metric_statistics(
+        Namespace="AWS/SageMaker",
+        MetricName="ConcurrentRequestsPerModel" if concurrency else "Invocations",
+        Dimensions=[
+            {"Name": "EndpointName", "Value": variant.endpoint_name},
+            {"Name": "VariantName", "Value": "AllTraffic"},
+        ],
+        StartTime=now - LOAD_WINDOW,
+        EndTime=now,
+        Period=60,
+        Statistics=["Average" if concurrency else "Sum"],
+    ).get("Datapoints", [])
+    if concurrency:
+        average = sum(p["Average"] for p in points) / len(points) if points else 0.0
+        return average, variant.target_concurrency_per_instance, "concurrent requests per instance"
+    per_minute = sum(p["Sum"] for p in points) / (LOAD_WINDOW.total_seconds() / 60)
+    return (
+        per_minute / max(count, 1),
+        float(variant.target_invocations_per_instance),
+        "invocations a minute each",
+    )
 
 
 def frozen_scaling(
     sagemaker: Any, cloudwatch: Any, target: Target, now: datetime | None = None
 ) -> list[Finding]:
-    """Warn when an existing endpoint runs below max_capacity while its invocations per instance over
-    the last 15 minutes reach half the target: an update runs for the whole canary, linear and
-    termination bake (and its fleet keeps the live count), during which autoscaling does not scale."""
+    """Warn when an existing endpoint runs below max_capacity while its load per instance over the
+    last 15 minutes reaches half its scaling target (on the metric the target tracking follows): an
+    update runs for the whole canary, linear and termination bake (and its fleet keeps the live
+    count), during which autoscaling does not scale."""
     now = now or datetime.now(UTC)
     findings = []
     for variant in target.variants:
@@ -379,32 +412,16 @@ def frozen_scaling(
             continue
         try:
             count = sum(int(v.get("CurrentInstanceCount", 0)) for v in endpoint.get("ProductionVariants", []))
-            points = cloudwatch.get_metric_statistics(
-                Namespace="AWS/SageMaker",
-                MetricName="Invocations",
-                Dimensions=[
-                    {"Name": "EndpointName", "Value": variant.endpoint_name},
-                    {"Name": "VariantName", "Value": "AllTraffic"},
-                ],
-                StartTime=now - LOAD_WINDOW,
-                EndTime=now,
-                Period=60,
-                Statistics=["Sum"],
-            ).get("Datapoints", [])
+            load, goal, unit = _load_per_instance(cloudwatch, variant, count, now)
         except (ClientError, BotoCoreError) as error:
             findings.append(Finding(label, "unknown", f"could not read the load: {_code(error)}"))
             continue
-        per_minute = sum(p["Sum"] for p in points) / (LOAD_WINDOW.total_seconds() / 60)
-        per_instance = per_minute / max(count, 1)
         bake = variant.deployment.wait_interval_s + variant.deployment.termination_wait_s
         what = (
-            f"{count} of at most {variant.max_capacity} instances, {per_instance:.1f} invocations a minute "
-            f"each over the last 15 min (target {variant.target_invocations_per_instance})"
+            f"{count} of at most {variant.max_capacity} instances, {load:.1f} {unit} over the last 15 min "
+            f"(target {goal:g})"
         )
-        if (
-            count < variant.max_capacity
-            and per_instance >= LOW_COUNT_LOAD * variant.target_invocations_per_instance
-        ):
+        if count < variant.max_capacity and load >= LOW_COUNT_LOAD * goal:
             findings.append(
                 Finding(
                     label,
