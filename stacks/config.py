@@ -321,6 +321,13 @@ class AsyncInferenceSettings(_Strict):
     scale_up_from_zero_cooldown_s: int = Field(
         300, ge=0, le=3600, description="Cooldown of the step policy on HasBacklogWithoutCapacity."
     )
+    retention_days: int = Field(
+        30,
+        ge=1,
+        le=3650,
+        description="Request bodies, answers and failures under async/<endpoint>/ (they may hold prompts) "
+        "expire after this many days.",
+    )
 
 
 class ImageBuildConfig(_Strict):
@@ -751,6 +758,21 @@ def cost_tags(config: AppConfig, variant: VariantConfig | None = None) -> dict[s
     if variant is not None:
         tags |= {"variant": variant.name, "endpoint": variant.endpoint_name}
     return tags
+
+
+def expiring_prefixes(variants: list[VariantConfig]) -> dict[str, int]:
+    """Artifacts-bucket prefix → days its objects are kept: data capture and async inference (requests,
+    answers and failures may hold prompts; nothing else reads them once the client has)."""
+    prefixes = {data_capture_prefix(v): v.data_capture.retention_days for v in variants}
+    for variant in variants:
+        if variant.invocation == "async":
+            prefixes[async_prefix(variant.endpoint_name)] = variant.async_inference.retention_days
+    return prefixes
+
+
+def async_prefix(endpoint_name: str) -> str:
+    """Where an async endpoint's requests, answers and failures live in the artifacts bucket."""
+    return f"async/{endpoint_name}/"
 
 
 def data_capture_prefix(variant: VariantConfig) -> str:

@@ -36,8 +36,8 @@ from stacks.config import (
     ModelArtifact,
     VariantConfig,
     cost_tags,
-    data_capture_prefix,
     deployed_image_parameter,
+    expiring_prefixes,
 )
 from stacks.handlers.build_states import FAILED_STATES
 from stacks.handlers.post_deploy_check import parked_prefix
@@ -66,7 +66,8 @@ class ArtifactsStore(Construct):
     def __init__(
         self, scope: Construct, construct_id: str, *, project: str, captures: dict[str, int] | None = None
     ) -> None:
-        """`captures`: data-capture prefix → days its objects are kept (they may hold prompts)."""
+        """`captures`: prefix → days its objects are kept (data capture, async inference: they may hold
+        prompts)."""
         super().__init__(scope, construct_id)
         self.access_logs = s3.Bucket(
             self,
@@ -670,10 +671,7 @@ class ImageStack(Stack):
             self,
             "Store",
             project=config.project,
-            captures={
-                data_capture_prefix(variant): variant.data_capture.retention_days
-                for variant in endpoint_stacks.values()
-            },
+            captures=expiring_prefixes(list(endpoint_stacks.values())),
         )
         self.artifacts = self.store.bucket
         self.artifacts_bucket_name = artifacts_bucket_name(config.project)
