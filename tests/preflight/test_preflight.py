@@ -449,3 +449,24 @@ def test_under_concurrency_scaling_the_load_is_the_concurrency_per_instance(aws,
     assert f"{concurrency:.1f} concurrent requests per instance" in finding.detail
     assert "(target 2.3)" in finding.detail
     aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)
+
+
+@pytest.mark.parametrize(("value", "status"), [(0, "missing"), (1, "ok")])
+def test_the_transform_job_quota_is_checked_for_batch_transform(aws, value, status):
+    """Often 0 on new accounts: every decide-batch job would fail with ResourceLimitExceeded."""
+    config = load_config({**cdk_json_context(), "cpu.batch_transform": "true"})
+    target = checks.Target(config, (config.cpu, config.gpu), REGION, ACCOUNT)
+    quotas(aws, "sagemaker", {"ml.c7i.8xlarge for transform job usage": value})
+    [finding] = checks.transform_quotas(aws["clients"]["service-quotas"], target)  # the GPU one is off
+    assert (finding.check, finding.status) == ("ml.c7i.8xlarge for transform job usage", status)
+    if status == "missing":
+        assert "ResourceLimitExceeded" in finding.detail
+        assert "request-service-quota-increase --service-code sagemaker" in finding.fix
+        assert "--desired-value 1" in finding.fix
+    assert (
+        checks.transform_quotas(
+            aws["clients"]["service-quotas"], checks.Target(config, (config.gpu,), REGION, ACCOUNT)
+        )
+        == []
+    )
+    aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)

@@ -4,6 +4,7 @@
   against the blue/green peak: an update runs the old and the new fleet side by side, and the new one
   keeps the autoscaled size (RetainAllVariantProperties), so the peak is twice `max_capacity` (twice
   `initial_instance_count` without autoscaling), plus what other endpoints already run on that type.
+- SageMaker, with `batch_transform`: "<instance type> for transform job usage" (often 0 on new accounts).
 - CodeBuild: "Concurrently running builds for Linux/<size> environment" of the compute types the
   deploy-time builds use (0 on some new accounts: StartBuild then fails with AccountLimitExceededException).
 - CDK bootstrap: the CDKToolkit stack and its version parameter (the templates require version 6).
@@ -147,6 +148,42 @@ def sagemaker_quotas(service_quotas: Any, sagemaker: Any, target: Target) -> lis
                     "missing",
                     f"{value:g} < {total} ({what})",
                     _increase("sagemaker", code, total, target.region),
+                )
+            )
+    return findings
+
+
+TRANSFORM_INSTANCES = 1  # decide-batch submit's default --instance-count
+
+
+def transform_quotas(service_quotas: Any, target: Target) -> list[Finding]:
+    """For variants with batch_transform: "<instance type> for transform job usage" (0 on many new
+    accounts: CreateTransformJob then fails with ResourceLimitExceeded; SageMaker quotas,
+    https://docs.aws.amazon.com/general/latest/gr/sagemaker.html)."""
+    variants = [v for v in target.variants if v.batch_transform]
+    if not variants:
+        return []
+    try:
+        quotas = quota_values(service_quotas, "sagemaker")
+    except (ClientError, BotoCoreError) as error:
+        return [Finding("SageMaker transform job quotas", "unknown", f"could not read them: {_code(error)}")]
+    findings = []
+    for variant in variants:
+        name = f"{variant.instance_type} for transform job usage"
+        what = f"decide-batch submit --variant {variant.name} runs {TRANSFORM_INSTANCES} instance(s)"
+        if name not in quotas:
+            findings.append(Finding(name, "unknown", f"no such quota in this region ({what})"))
+            continue
+        code, value = quotas[name]
+        if value >= TRANSFORM_INSTANCES:
+            findings.append(Finding(name, "ok", f"{value:g} ({what})"))
+        else:
+            findings.append(
+                Finding(
+                    name,
+                    "missing",
+                    f"{value:g}: every transform job fails with ResourceLimitExceeded ({what})",
+                    _increase("sagemaker", code, TRANSFORM_INSTANCES, target.region),
                 )
             )
     return findings
@@ -348,6 +385,7 @@ def run_all(clients: dict[str, Any], target: Target) -> list[Finding]:
         *bootstrap(clients["ssm"], clients["cloudformation"], target),
         *sagemaker_quotas(clients["service-quotas"], clients["sagemaker"], target),
         *codebuild_quotas(clients["service-quotas"], target),
+        *transform_quotas(clients["service-quotas"], target),
         *leftovers(clients["s3"], clients["sagemaker"], clients["cloudformation"], target),
         *log_groups(clients["logs"], clients["cloudformation"], target),
         *frozen_scaling(clients["sagemaker"], clients["cloudwatch"], target),
