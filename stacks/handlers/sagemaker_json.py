@@ -24,13 +24,15 @@ class SageMakerJson:
 
     def __init__(self, session: Any | None = None) -> None:
         self.session = session or boto3.session.Session()
+        # The regional endpoint as botocore resolves it (partition and FIPS settings included).
+        self.url = self.session.client("sagemaker").meta.endpoint_url
         self.http = URLLib3Session()
 
     def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
         region = self.session.region_name
         request = AWSRequest(
             method="POST",
-            url=f"https://api.sagemaker.{region}.amazonaws.com/",
+            url=self.url.rstrip("/") + "/",
             data=json.dumps(body).encode(),
             headers={
                 "Content-Type": "application/x-amz-json-1.1",

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import boto3
 import pytest
 from botocore.exceptions import ClientError
 from botocore.stub import ANY
@@ -699,3 +700,40 @@ def test_the_guard_passes_when_the_quotas_cannot_be_read(aws):
     aws["service-quotas"].add_client_error("list_aws_default_service_quotas", "AccessDeniedException")
     result = codebuild_job.on_event(event("Create", GUARD_PROPS), clients=aws["clients"], now=NOW)
     assert "accepted" in result["Data"]["Result"]
+
+
+# --- the signed-JSON SageMaker call (fields the runtime's botocore does not know) --------------------
+
+
+class FakeHttp:
+    def __init__(self, status: int, payload: dict[str, Any]) -> None:
+        self.status, self.payload = status, payload
+        self.sent: list[Any] = []
+
+    def send(self, request: Any) -> Any:
+        self.sent.append(request)
+        return type(
+            "Response", (), {"status_code": self.status, "content": json.dumps(self.payload).encode()}
+        )()
+
+
+def test_the_json_call_sends_the_body_as_given_signed_for_sagemaker(aws):
+    from stacks.handlers.sagemaker_json import SageMakerJson
+
+    session = boto3.session.Session(
+        aws_access_key_id="AKID", aws_secret_access_key="secret", region_name=REGION
+    )
+    client = SageMakerJson(session)
+    client.http = http = FakeHttp(200, {"EndpointConfigArn": "arn:x"})
+    body = {"EndpointConfigName": "c", "ProductionVariants": [{"RoutingConfig": {"FutureField": {"X": 1}}}]}
+    assert client.call("CreateEndpointConfig", body) == {"EndpointConfigArn": "arn:x"}
+    [request] = http.sent
+    assert request.url == f"https://api.sagemaker.{REGION}.amazonaws.com/" and request.method == "POST"
+    assert request.headers["X-Amz-Target"] == "SageMaker.CreateEndpointConfig"
+    assert request.headers["Content-Type"] == "application/x-amz-json-1.1"
+    assert request.headers["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=AKID/")
+    assert f"/{REGION}/sagemaker/aws4_request" in request.headers["Authorization"]
+    assert json.loads(request.body) == body  # unknown to any botocore model, and still sent
+    client.http = FakeHttp(400, {"__type": "com.amazon.coral.validate#ValidationException", "message": "bad"})
+    with pytest.raises(ClientError, match=r"ValidationException.*bad"):
+        client.call("CreateEndpointConfig", body)

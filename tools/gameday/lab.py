@@ -258,7 +258,7 @@ class Lab:
         """Poll the stack until its status is terminal (…_COMPLETE, …_FAILED)."""
         for _ in range(self.max_polls):
             stack = self.cloudformation.describe_stacks(StackName=self.scratch.name)["Stacks"][0]
-            if TERMINAL.search(stack["StackStatus"]) and not stack["StackStatus"].endswith("_IN_PROGRESS"):
+            if TERMINAL.search(stack["StackStatus"]):
                 return stack
             self.sleep(self.poll_s)
         raise TimeoutError(f"{self.scratch.name} still changing after {self.max_polls} polls")
