@@ -17,7 +17,17 @@ from tools.preflight import checks, cli
 
 ACCOUNT, REGION = "123456789012", "eu-west-1"
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-SERVICES = ("service-quotas", "sagemaker", "ssm", "cloudformation", "s3", "sts", "logs", "cloudwatch")
+SERVICES = (
+    "service-quotas",
+    "sagemaker",
+    "ssm",
+    "cloudformation",
+    "s3",
+    "sts",
+    "logs",
+    "cloudwatch",
+    "application-autoscaling",
+)
 
 
 @pytest.fixture
@@ -469,4 +479,70 @@ def test_the_transform_job_quota_is_checked_for_batch_transform(aws, value, stat
         )
         == []
     )
+    aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)
+
+
+def _live_config(aws, *, asynchronous: bool, instance_type: str, registered: bool) -> None:
+    config: dict[str, Any] = {
+        "EndpointConfigName": "DeciderConfig-1",
+        "EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/deciderconfig-1",
+        "CreationTime": NOW,
+        "ProductionVariants": [
+            {"VariantName": "AllTraffic", "ModelName": "m", "InstanceType": instance_type}
+        ],
+    }
+    if asynchronous:
+        config["AsyncInferenceConfig"] = {"OutputConfig": {"S3OutputPath": "s3://b/async/decider-cpu/output"}}
+    aws["sagemaker"].add_response(
+        "describe_endpoint_config", config, {"EndpointConfigName": "DeciderConfig-1"}
+    )
+    target = {
+        "ServiceNamespace": "sagemaker",
+        "ResourceId": "endpoint/decider-cpu/variant/AllTraffic",
+        "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+        "MinCapacity": 2,
+        "MaxCapacity": 4,
+        "RoleARN": f"arn:aws:iam::{ACCOUNT}:role/aas",
+        "CreationTime": NOW,
+    }
+    aws["application-autoscaling"].add_response(
+        "describe_scalable_targets",
+        {"ScalableTargets": [target] if registered else []},
+        {
+            "ServiceNamespace": "sagemaker",
+            "ResourceIds": ["endpoint/decider-cpu/variant/AllTraffic"],
+            "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("asynchronous", "instance_type", "registered", "refusal"),
+    [
+        (True, "ml.c7i.8xlarge", True, "invocation async -> realtime under the same endpoint name"),
+        (False, "ml.c7i.4xlarge", True, "while the variant is an Application Auto Scaling target"),
+        (False, "ml.c7i.4xlarge", False, None),  # not registered: the type may change
+        (False, "ml.c7i.8xlarge", True, None),
+    ],
+)
+def test_an_update_sagemaker_refuses_blocks_before_ci_builds(
+    aws, asynchronous, instance_type, registered, refusal
+):
+    """The live endpoint against this config, by the update guard's rules."""
+    config = load_config(cdk_json_context())
+    target = checks.Target(config, (config.cpu,), REGION, ACCOUNT)
+    _live(aws, 4, 0.1, metric="ConcurrentRequestsPerModel")
+    _live_config(aws, asynchronous=asynchronous, instance_type=instance_type, registered=registered)
+    findings = checks.frozen_scaling(
+        aws["clients"]["sagemaker"],
+        aws["clients"]["cloudwatch"],
+        target,
+        NOW,
+        autoscaling=aws["clients"]["application-autoscaling"],
+    )
+    rules = next(f for f in findings if f.check == "update of decider-cpu")
+    if refusal is None:
+        assert rules.status == "ok"
+    else:
+        assert rules.status == "missing" and rules.blocking and refusal in rules.detail
     aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)

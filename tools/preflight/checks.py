@@ -13,6 +13,9 @@
   group left by a manual test, `promote apply` or a deleted stack makes the stack's creation fail with
   "already exists").
 - A compute type CodeBuild does not offer in the region (no concurrent-builds quota for it) blocks.
+- An update SageMaker documents it refuses (an `invocation` flip under the same name, a new instance type
+  while the live variant is an autoscaling target) blocks, before CI builds anything; the stacks' update
+  guard refuses it again at deploy time.
 - A deploy that would start at a low instance count under load warns: the fleet cannot scale during
   the update, and the new fleet starts at the live count (RetainAllVariantProperties).
 
@@ -29,6 +32,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from stacks.config import AppConfig, VariantConfig
+from stacks.handlers import update_guard
 
 MIN_BOOTSTRAP_VERSION = 6  # the templates' CheckBootstrapVersion rule (tests/stacks checks it)
 BOOTSTRAP_PARAMETER = "/cdk-bootstrap/hnb659fds/version"
@@ -388,7 +392,12 @@ def run_all(clients: dict[str, Any], target: Target) -> list[Finding]:
         *transform_quotas(clients["service-quotas"], target),
         *leftovers(clients["s3"], clients["sagemaker"], clients["cloudformation"], target),
         *log_groups(clients["logs"], clients["cloudformation"], target),
-        *frozen_scaling(clients["sagemaker"], clients["cloudwatch"], target),
+        *frozen_scaling(
+            clients["sagemaker"],
+            clients["cloudwatch"],
+            target,
+            autoscaling=clients["application-autoscaling"],
+        ),
     ]
 
 
@@ -428,17 +437,63 @@ def _load_per_instance(
     )
 
 
+def live_state(
+    sagemaker: Any, autoscaling: Any, endpoint: dict[str, Any], variant: VariantConfig
+) -> dict[str, Any]:
+    """What the live endpoint is, in the shape of Custom::UpdateGuard's properties (its last deploy)."""
+    config = sagemaker.describe_endpoint_config(EndpointConfigName=endpoint["EndpointConfigName"])
+    production = (config.get("ProductionVariants") or [{}])[0]
+    pools = sorted(production.get("InstancePools") or [], key=lambda pool: pool.get("Priority", 0))
+    types = [pool["InstanceType"] for pool in pools] or [production.get("InstanceType")]
+    targets = autoscaling.describe_scalable_targets(
+        ServiceNamespace="sagemaker",
+        ResourceIds=[f"endpoint/{variant.endpoint_name}/variant/AllTraffic"],
+        ScalableDimension="sagemaker:variant:DesiredInstanceCount",
+    ).get("ScalableTargets", [])
+    return {
+        "EndpointName": variant.endpoint_name,
+        "Variant": variant.name,
+        "Invocation": "async" if config.get("AsyncInferenceConfig") else "realtime",
+        "InstanceTypes": [t for t in types if t],
+        "Autoscaling": "true" if targets else "false",
+    }
+
+
+def update_rules(
+    sagemaker: Any, autoscaling: Any, endpoint: dict[str, Any], variant: VariantConfig
+) -> Finding:
+    """The refusals SageMaker documents for an update from the live endpoint to this config (the rules
+    of stacks/handlers/update_guard.py, which also checks them at deploy time), before CI builds."""
+    label = f"update of {variant.endpoint_name}"
+    try:
+        old = live_state(sagemaker, autoscaling, endpoint, variant)
+    except (ClientError, BotoCoreError) as error:
+        return Finding(label, "unknown", f"could not read the live config: {_code(error)}")
+    new = {**old, "Invocation": variant.invocation, "InstanceTypes": variant.instance_types}
+    problems = update_guard.update_refusals(old, new)
+    if problems:
+        return Finding(label, "missing", "; ".join(problems), "see the detail: deploy in the steps it names")
+    return Finding(
+        label, "ok", f"{old['Invocation']}, {', '.join(old['InstanceTypes'])}: an update SageMaker accepts"
+    )
+
+
 def frozen_scaling(
-    sagemaker: Any, cloudwatch: Any, target: Target, now: datetime | None = None
+    sagemaker: Any,
+    cloudwatch: Any,
+    target: Target,
+    now: datetime | None = None,
+    autoscaling: Any | None = None,
 ) -> list[Finding]:
-    """Warn when an existing endpoint runs below max_capacity while its load per instance over the
-    last 15 minutes reaches half its scaling target (on the metric the target tracking follows): an
-    update runs for the whole canary, linear and termination bake (and its fleet keeps the live
-    count), during which autoscaling does not scale."""
+    """For each existing endpoint: with `autoscaling` (an application-autoscaling client), the
+    documented update refusals (`update_rules`); then warn when it runs below max_capacity while its
+    load per instance over the last 15 minutes reaches half its scaling target (on the metric the
+    target tracking follows): an update runs for the whole canary, linear and termination bake (and
+    its fleet keeps the live count), during which autoscaling does not scale."""
     now = now or datetime.now(UTC)
     findings = []
     for variant in target.variants:
-        if not variant.autoscaling:
+        if not variant.autoscaling and autoscaling is None:
             continue
         label = f"instances of {variant.endpoint_name} before the update"
         try:
@@ -447,6 +502,10 @@ def frozen_scaling(
             if _code(error) == "ValidationException":  # no endpoint yet: a create, nothing to scale
                 continue
             findings.append(Finding(label, "unknown", f"could not read it: {_code(error)}"))
+            continue
+        if autoscaling is not None:
+            findings.append(update_rules(sagemaker, autoscaling, endpoint, variant))
+        if not variant.autoscaling:
             continue
         try:
             count = sum(int(v.get("CurrentInstanceCount", 0)) for v in endpoint.get("ProductionVariants", []))
