@@ -255,3 +255,45 @@ def test_the_lab_template_keeps_a_role_per_model_and_lints_clean():
         text = json.dumps(template(SCRATCH, variant))
         matches = lint(text, config=ManualArgs(regions=[REGION]))
         assert [m for m in matches if m.rule.id.startswith("E")] == [], [str(m) for m in matches]
+
+
+class RecordingJson:
+    def __init__(self, sagemaker: Any) -> None:
+        self.sagemaker, self.bodies = sagemaker, []
+
+    def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.bodies.append((operation, body))
+        return {"EndpointConfigArn": "arn:x"}
+
+
+def test_the_signed_json_config_scenario_creates_a_copy_and_compares_it(aws):
+    variants = [
+        {
+            "VariantName": "AllTraffic",
+            "ModelName": "m",
+            "InstanceType": "ml.c6i.large",
+            "InitialInstanceCount": 1,
+        }
+    ]
+    endpoint(aws)
+    for name in ("gameday-config-a", f"{NAME}-json"):
+        aws["sagemaker"].add_response(
+            "describe_endpoint_config",
+            {
+                "EndpointConfigName": name,
+                "EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/{name}",
+                "ProductionVariants": variants,
+                "CreationTime": NOW,
+            },
+            {"EndpointConfigName": name},
+        )
+    the_lab = lab(aws)
+    the_lab.clients = {**aws["clients"], "sagemaker-json": RecordingJson(aws["clients"]["sagemaker"])}
+    outcome = scenarios.signed_json_config(the_lab)
+    assert outcome.settled is True and "variants equal: True" in outcome.observed
+    [(operation, body)] = the_lab.clients["sagemaker-json"].bodies
+    assert operation == "CreateEndpointConfig" and body == {
+        "EndpointConfigName": f"{NAME}-json",
+        "ProductionVariants": variants,
+    }
+    assert ("EndpointConfig", f"{NAME}-json") in the_lab.seen  # deleted at teardown

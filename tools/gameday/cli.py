@@ -25,6 +25,7 @@ import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
 from stacks.config import IMAGE_URI_RE, S3_PREFIX_RE, load_config
+from stacks.handlers.sagemaker_json import SageMakerJson
 from stacks.synth import cdk_json_context
 from tools.gameday.lab import SMALLEST_INSTANCE, Lab, Scratch
 from tools.gameday.scenarios import SCENARIOS, Outcome
@@ -118,6 +119,7 @@ def main(
         if clients is None:
             session = boto3.Session(region_name=args.region, profile_name=args.profile)
             clients = {name: session.client(name) for name in SERVICES}
+            clients["sagemaker-json"] = SageMakerJson(session)
         check_account(clients, args.account)
         scratch = Scratch(
             run_id=secrets.token_hex(3),

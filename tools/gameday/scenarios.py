@@ -192,6 +192,37 @@ def batch_transform(lab: Lab) -> Outcome:
     )
 
 
+def signed_json_config(lab: Lab) -> Outcome:
+    """CreateEndpointConfig sent as signed JSON (the post-deploy check's parking path), not by botocore."""
+    assumption = (
+        "SageMaker accepts a CreateEndpointConfig body sent as JSON with a hand-made SigV4 signature "
+        "(stacks/handlers/sagemaker_json.py), so parking copies fields the Lambda's botocore does not know"
+    )
+    live = lab.sagemaker.describe_endpoint_config(
+        EndpointConfigName=lab.wait_endpoint()["EndpointConfigName"]
+    )
+    keep = ("VariantName", "ModelName", "InstanceType", "InitialInstanceCount", "InitialVariantWeight")
+    variants = [{k: v[k] for k in keep if k in v} for v in live["ProductionVariants"]]
+    name = f"{lab.scratch.name}-json"
+    try:
+        lab.clients["sagemaker-json"].call(
+            "CreateEndpointConfig", {"EndpointConfigName": name, "ProductionVariants": variants}
+        )
+    except ClientError as error:
+        return Outcome(
+            "signed-json-config",
+            assumption,
+            f"refused: {_error(error)}",
+            False,
+            "parking then fails at once with both reasons; fall back to the DescribeEndpointConfig copy "
+            "(post_deploy_check.park without properties) or bundle a pinned boto3 with the handlers",
+        )
+    lab.seen.add(("EndpointConfig", name))
+    copied = lab.sagemaker.describe_endpoint_config(EndpointConfigName=name)
+    same = [{k: v[k] for k in keep if k in v} for v in copied["ProductionVariants"]] == variants
+    return Outcome("signed-json-config", assumption, f"created {name}; variants equal: {same}", same)
+
+
 def _observed(stack: dict[str, Any], endpoint: dict[str, Any], before: str) -> str:
     config = endpoint["EndpointConfigName"]
     which = "the previous config" if config == before else f"config {config}"
@@ -211,6 +242,7 @@ def _wait_job(lab: Lab, name: str) -> dict[str, Any]:
 # In this order: the guardrail scenario leaves the stack's template and the endpoint apart, so it is last.
 SCENARIOS = {
     "same-config-update": same_config_update,
+    "signed-json-config": signed_json_config,
     "batch-transform": batch_transform,
     "refused-update-rollback": refused_update_rollback,
     "failed-model-upgrade": failed_model_upgrade,
