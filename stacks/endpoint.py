@@ -87,13 +87,14 @@ class ExecutionRole(Construct):
         model: ModelLocation,
     ) -> None:
         super().__init__(scope, construct_id)
+        # What a rollback's fleet must still read. Not the Batch Transform archive: turning
+        # batch_transform on or off only adds or drops grants no endpoint fleet needs.
         reads = identity(
             self,
             {
                 "bucket": model.bucket_name,
                 "prefix": model.prefix,
                 "file": model.file,
-                "archive": model.archive_uri is not None,
                 "repository": image.repository_arn,
             },
         )

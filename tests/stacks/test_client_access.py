@@ -113,3 +113,16 @@ def test_batch_transform_gets_a_model_on_a_tar_gz(synth_access: Synth) -> None:
 def only_id(template: dict[str, Any], cfn_type: str) -> str:
     [logical] = resources(template, cfn_type)
     return logical
+
+
+def test_turning_batch_transform_on_keeps_the_endpoints_model_and_role(
+    synth: Synth, synth_access: Synth
+) -> None:
+    """Only grants and the Transform Model are added: no new role, so no endpoint update for it."""
+    before = only(synth.templates["CpuStack"], "AWS::SageMaker::Model")["Properties"]
+    after = [
+        m["Properties"]
+        for m in resources(synth_access.templates["CpuStack"], "AWS::SageMaker::Model").values()
+        if "ModelDataSource" in m["Properties"]["PrimaryContainer"]
+    ]
+    assert after == [before]
