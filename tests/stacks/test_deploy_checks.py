@@ -539,6 +539,7 @@ def test_the_check_waits_while_the_endpoint_updates_on_its_own_config(aws, statu
         codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=late)
 
 
+@pytest.mark.cdk
 def test_parking_copies_every_field_of_the_synthesized_gpu_config(aws, synth_prebuilt):
     """The GPU config with PREFIX_AWARE routing and instance pools, as the template gives it to
     CloudFormation, is what the parked copy repeats: sent as JSON, not through the runtime's botocore."""
