@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server llama-server bench-gpu image image-test clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server llama-server bench-gpu image image-test game-day clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -94,6 +94,14 @@ image-test: setup
 	@test "$(VARIANT)" = cpu || { echo "image-test runs the CPU contract (no GPU here): VARIANT=cpu only" >&2; exit 2; }
 	tools/image/docker-host.sh
 	$(BIN)/python -m tools.image.contract --image $(IMAGE)
+
+# The game day (tools/gameday/): the scenarios the AWS docs leave open, in a SCRATCH account, on the
+# smallest instances; it tears down after itself. Real AWS calls and costs: never part of `make test`.
+#   make game-day ACCOUNT=123456789012 REGION=eu-west-1 IMAGE=<repo>@sha256:<digest> MODEL_S3_URI=s3://b/p/
+game-day: setup
+	@test -n "$(ACCOUNT)" && test -n "$(REGION)" && test -n "$(MODEL_S3_URI)" && [[ "$(IMAGE)" == *@sha256:* ]] || \
+	  { echo "usage: make game-day ACCOUNT=<scratch account> REGION=<region> IMAGE=<repo>@sha256:<digest> MODEL_S3_URI=s3://bucket/prefix/" >&2; exit 2; }
+	$(BIN)/python -m tools.gameday --account $(ACCOUNT) --region $(REGION) --image $(IMAGE) --model-s3-uri $(MODEL_S3_URI)
 
 clean:
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache .ruff_cache

@@ -29,16 +29,12 @@ from aws_cdk import aws_sns as sns
 from constructs import Construct
 from decider.settings import Settings
 
-from stacks.config import VariantConfig
+from stacks.config import VariantConfig, async_prefix
 from stacks.endpoint import DeciderEndpoint
 from stacks.nag import acknowledge
 
 ANSWER_MARGIN_S = 5  # the container answers this long before SageMaker's invocation timeout
 DEADLINE_ENV = "DECIDER_DEADLINE_SECONDS"
-
-
-def async_prefix(endpoint_name: str) -> str:
-    return f"async/{endpoint_name}/"
 
 
 def async_environment(variant: VariantConfig, environment: dict[str, str]) -> dict[str, str]:

@@ -44,6 +44,10 @@ EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 # On every model and endpoint config of an endpoint (the stacks' and `promote apply`'s): which endpoint
 # they belong to. `promote prune` deletes the unused ones it finds by this tag.
 ENDPOINT_TAG = "promote:endpoint"
+# The model as one gzip'd tar archive beside the GGUF, for Batch Transform (ModelDataUrl): written by the
+# model-staging build when a variant sets batch_transform, expected in a prebuilt model_s3_uri prefix.
+MODEL_ARCHIVE = "model.tar.gz"
+TRANSFORM_MODEL_OUTPUT = "TransformModelName"  # the endpoint stack's output naming that Model (decide-batch)
 
 # InferenceAmiVersion values CloudFormation accepts (the AWS::SageMaker::EndpointConfig schema in
 # cfn-lint 1.58.0), minus the Neuron one. `al2023-…-gpu-4-1` ships driver 580 (CUDA 13.0): AWS's own
@@ -317,6 +321,13 @@ class AsyncInferenceSettings(_Strict):
     scale_up_from_zero_cooldown_s: int = Field(
         300, ge=0, le=3600, description="Cooldown of the step policy on HasBacklogWithoutCapacity."
     )
+    retention_days: int = Field(
+        30,
+        ge=1,
+        le=3650,
+        description="Request bodies, answers and failures under async/<endpoint>/ (they may hold prompts) "
+        "expire after this many days.",
+    )
 
 
 class ImageBuildConfig(_Strict):
@@ -496,6 +507,37 @@ class VariantConfig(_Strict):
         return self.name == "gpu"
 
     @property
+    def blue_green_peak(self) -> int:
+        """Instances an update runs at once at most: the old fleet and a new one of its size (the new
+        one keeps the autoscaled count, RetainAllVariantProperties)."""
+        fleet = self.max_capacity if self.autoscaling else self.initial_instance_count
+        return 2 * fleet
+
+    @property
+    def floor_capacity(self) -> tuple[int, str]:
+        """The fewest instances the variant can run when an update starts, and the key that sets it:
+        autoscaling's minimum (an async endpoint's may be 0), else the fixed instance count."""
+        if not self.autoscaling:
+            return self.initial_instance_count, "initial_instance_count"
+        if self.invocation == "async":
+            return self.async_inference.min_capacity, "async_inference.min_capacity"
+        return self.min_capacity, "min_capacity"
+
+    @property
+    def traffic_routing(self) -> Literal["CANARY", "LINEAR", "ALL_AT_ONCE"]:
+        """The blue/green routing the Endpoint gets. CanarySize and LinearStepSize "must be less than or
+        equal to 50% of the variant's total instance count" (SageMaker API reference,
+        https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TrafficRoutingConfig.html): an
+        async variant that scales to zero has no canary, so unless `deployment.traffic_routing` is set
+        it updates ALL_AT_ONCE (an explicit CANARY there is refused by the validation)."""
+        chosen = self.deployment.traffic_routing
+        explicit = "traffic_routing" in self.deployment.model_fields_set
+        too_small = self.deployment.step_instance_count * 2 > self.floor_capacity[0]
+        if not explicit and self.invocation == "async" and too_small:
+            return "ALL_AT_ONCE"
+        return chosen
+
+    @property
     def build_variant(self) -> Literal["cpu", "cuda"]:
         """The Dockerfile's VARIANT build argument."""
         return "cuda" if self.is_gpu else "cpu"
@@ -656,13 +698,21 @@ class VariantConfig(_Strict):
                 f"min_capacity..max_capacity ({self.min_capacity}..{self.max_capacity})"
             )
         step = self.deployment.step_instance_count
-        if self.deployment.traffic_routing != "ALL_AT_ONCE" and step * 2 > self.min_capacity:
+        floor, floor_key = self.floor_capacity
+        if self.traffic_routing != "ALL_AT_ONCE" and step * 2 > floor:
             problems.append(
-                f"deployment.step_instance_count: {step} must be at most half of min_capacity "
-                f"({self.min_capacity}): SageMaker rejects a {self.deployment.traffic_routing} step "
-                "above 50% "
-                "of the fleet. Raise min_capacity/initial_instance_count or use "
-                "deployment.traffic_routing=ALL_AT_ONCE (still blue/green with alarm rollback)"
+                f"deployment.step_instance_count: {step} must be at most half of {floor_key} "
+                f"({floor}): SageMaker rejects a {self.traffic_routing} step above 50% of the "
+                "variant's instance count, and the fleet may be that small when the update starts. Raise "
+                f"{floor_key} or use deployment.traffic_routing=ALL_AT_ONCE (still blue/green with alarm "
+                "rollback)"
+            )
+        load = self.deployment.synthetic_load_per_minute
+        if 0 < load < self.alarms.error_rate_min_invocations:
+            problems.append(
+                f"deployment.synthetic_load_per_minute: {load} is below alarms.error_rate_min_invocations "
+                f"({self.alarms.error_rate_min_invocations}): the rollback alarms count such a minute as "
+                "0 %, so the synthetic load could never roll a broken canary back. Raise it, or set 0"
             )
         if problems:
             raise ValueError("\n".join(problems))
@@ -708,6 +758,21 @@ def cost_tags(config: AppConfig, variant: VariantConfig | None = None) -> dict[s
     if variant is not None:
         tags |= {"variant": variant.name, "endpoint": variant.endpoint_name}
     return tags
+
+
+def expiring_prefixes(variants: list[VariantConfig]) -> dict[str, int]:
+    """Artifacts-bucket prefix → days its objects are kept: data capture and async inference (requests,
+    answers and failures may hold prompts; nothing else reads them once the client has)."""
+    prefixes = {data_capture_prefix(v): v.data_capture.retention_days for v in variants}
+    for variant in variants:
+        if variant.invocation == "async":
+            prefixes[async_prefix(variant.endpoint_name)] = variant.async_inference.retention_days
+    return prefixes
+
+
+def async_prefix(endpoint_name: str) -> str:
+    """Where an async endpoint's requests, answers and failures live in the artifacts bucket."""
+    return f"async/{endpoint_name}/"
 
 
 def data_capture_prefix(variant: VariantConfig) -> str:

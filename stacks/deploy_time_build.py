@@ -25,6 +25,7 @@ from constructs import Construct
 from stacks.common import identity
 from stacks.config import (
     CUSTOM_RESOURCE_TIMEOUT_S,
+    MODEL_ARCHIVE,
     ModelArtifact,
     VariantConfig,
     deployed_image_parameter,
@@ -163,11 +164,21 @@ class DeployedImage(Construct):
 class ModelStaging(Construct):
     """Stages (or finds) the pinned GGUF; `model_s3_uri` is the uncompressed S3 prefix."""
 
-    def __init__(self, scope: Construct, construct_id: str, *, image_stack: ImageStack, model: ModelArtifact):
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        image_stack: ImageStack,
+        model: ModelArtifact,
+        archive: bool = False,
+    ):
+        """`archive`: also write `<prefix>model.tar.gz` (the Batch Transform Model's ModelDataUrl)."""
         super().__init__(scope, construct_id)
         self.bucket_name = image_stack.artifacts_bucket_name
         self.prefix = model.s3_prefix
         self.file = model.file
+        extra = {"Archive": MODEL_ARCHIVE} if archive else {}
         self.resource = CustomResource(
             self,
             "Resource",
@@ -187,9 +198,11 @@ class ModelStaging(Construct):
                 "TimeoutMinutes": str(model.staging_timeout_minutes),
                 "QueuedTimeoutMinutes": str(model.staging_queued_timeout_minutes),
                 "Buildspec": image_stack.model_buildspec,
+                **extra,
             },
         )
         self.model_s3_uri = self.resource.get_att_string("ModelS3Uri")
+        self.archive_uri = self.resource.get_att_string("ModelArchiveUri") if archive else None
 
 
 class PostDeployCheck(Construct):
@@ -204,7 +217,10 @@ class PostDeployCheck(Construct):
         endpoint_name: str,
         endpoint_config_name: str,
         rollback_alarms: list[str],
+        endpoint_config: str,
     ):
+        """`endpoint_config`: this deploy's endpoint config as JSON (a token); the next deploy gets it
+        in OldResourceProperties and parks on an exact copy (handlers/post_deploy_check.py)."""
         super().__init__(scope, construct_id)
         self.resource = CustomResource(
             self,
@@ -216,6 +232,7 @@ class PostDeployCheck(Construct):
                 "Kind": "PostDeployCheck",
                 "EndpointName": endpoint_name,
                 "EndpointConfigName": endpoint_config_name,
+                "EndpointConfig": endpoint_config,
                 # A failing check waits for these to leave ALARM before the stack rolls back.
                 "RollbackAlarms": rollback_alarms,
             },
@@ -251,5 +268,40 @@ class BakeLoad(Construct):
                 "EndpointName": endpoint_name,
                 "EndpointConfigName": endpoint_config_name,
                 "LoadPerMinute": str(load_per_minute),
+            },
+        )
+
+
+class UpdateGuard(Construct):
+    """Before the Endpoint is updated: refuse what SageMaker documents it refuses, and a blue/green peak
+    above the quota (handlers/update_guard.py). The Endpoint depends on it; its properties name the new
+    endpoint config, so every endpoint update runs it."""
+
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        image_stack: ImageStack,
+        variant: VariantConfig,
+        endpoint_config_name: str,
+    ):
+        super().__init__(scope, construct_id)
+        self.resource = CustomResource(
+            self,
+            "Resource",
+            service_token=image_stack.provider.service_token,
+            resource_type="Custom::UpdateGuard",
+            service_timeout=_service_timeout(),
+            properties={
+                "Kind": "UpdateGuard",
+                "Variant": variant.name,
+                "EndpointName": variant.endpoint_name,
+                "EndpointConfigName": endpoint_config_name,
+                "Invocation": variant.invocation,
+                "InstanceTypes": variant.instance_types,
+                "Autoscaling": str(variant.autoscaling).lower(),
+                "InitialInstances": str(variant.initial_instance_count),
+                "PeakInstances": str(variant.blue_green_peak),
             },
         )

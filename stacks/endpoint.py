@@ -25,7 +25,13 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.common import identity, retention_days
-from stacks.config import ENDPOINT_TAG, VariantConfig, data_capture_prefix, supports_volume_kms
+from stacks.config import (
+    ENDPOINT_TAG,
+    MODEL_ARCHIVE,
+    VariantConfig,
+    data_capture_prefix,
+    supports_volume_kms,
+)
 from stacks.monitoring import VARIANT_NAME, EndpointAlarms
 from stacks.nag import acknowledge
 
@@ -38,6 +44,11 @@ class ModelLocation:
     bucket_name: str
     prefix: str
     file: str | None = None  # the one object under the prefix, when known (the pinned model)
+    archive_uri: str | None = None  # `<prefix>model.tar.gz`, for Batch Transform (batch_transform=true)
+
+    @property
+    def archive_key(self) -> str:
+        return f"{self.prefix}{MODEL_ARCHIVE}"
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,20 @@ class ImageLocation:
 
 
 class ExecutionRole(Construct):
-    """Least privilege: pull this image, read this model prefix, write this endpoint's logs and metrics."""
+    """Least privilege: pull this image, read this model prefix, write this endpoint's logs and metrics.
+
+    One role per model and image repository, replaced and retained with the Model that uses it. Every
+    rollback (SageMaker's own, CloudFormation's, the post-deploy check's parking) starts a new fleet
+    from the previous endpoint config, and that fleet downloads the previous model and pulls the
+    previous image *with the previous Model's role* (CreateModel ExecutionRoleArn, "the IAM role that
+    SageMaker can assume to access model artifacts and docker image for deployment",
+    https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_CreateModel.html). Had the one role's
+    policy been updated in place to the new model, CloudFormation would narrow it before it rolls the
+    Endpoint back, and the old fleet could not start. So the role's logical id names what it may read:
+    a new model or repository gets a new role, and the old role and its policy stay (Retain) for as long
+    as the retained old Model may be used again; `promote prune` deletes unused models, the roles are
+    listed in docs/deploy.md.
+    """
 
     def __init__(
         self,
@@ -63,9 +87,20 @@ class ExecutionRole(Construct):
         model: ModelLocation,
     ) -> None:
         super().__init__(scope, construct_id)
+        # What a rollback's fleet must still read. Not the Batch Transform archive: turning
+        # batch_transform on or off only adds or drops grants no endpoint fleet needs.
+        reads = identity(
+            self,
+            {
+                "bucket": model.bucket_name,
+                "prefix": model.prefix,
+                "file": model.file,
+                "repository": image.repository_arn,
+            },
+        )
         self.role = iam.Role(
             self,
-            "Role",
+            f"Role{reads}",
             description=f"SageMaker execution role of the {variant.endpoint_name} endpoint",
             assumed_by=iam.ServicePrincipal(
                 "sagemaker.amazonaws.com", conditions={"StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID}}
@@ -89,10 +124,14 @@ class ExecutionRole(Construct):
             service="s3", region="", account="", resource=model.bucket_name
         )
         # The pinned model is one known object; a prebuilt prefix may hold several files.
-        readable = f"{model.prefix}{model.file}" if model.file else f"{model.prefix}*"
+        readable = [f"{model.prefix}{model.file}" if model.file else f"{model.prefix}*"]
+        if model.archive_uri is not None and model.file:
+            readable.append(model.archive_key)  # the Batch Transform Model's ModelDataUrl
         self.role.add_to_policy(
             iam.PolicyStatement(
-                sid="ReadModel", actions=["s3:GetObject"], resources=[f"{bucket_arn}/{readable}"]
+                sid="ReadModel",
+                actions=["s3:GetObject"],
+                resources=[f"{bucket_arn}/{key}" for key in readable],
             )
         )
         if not model.file:
@@ -144,6 +183,13 @@ class ExecutionRole(Construct):
             "ecr:GetAuthorizationToken has no resource-level permissions; cloudwatch:PutMetricData has "
             "none either and is limited to SageMaker's namespaces by condition.",
         )
+
+    def retain(self) -> None:
+        """Keep the role and its policy when a new model or repository replaces them (class docstring)."""
+        self.role.apply_removal_policy(RemovalPolicy.RETAIN)
+        policy = self.role.node.find_child("DefaultPolicy")
+        assert isinstance(policy, iam.Policy)
+        policy.apply_removal_policy(RemovalPolicy.RETAIN)
 
     def allow_rollback_alarms(self, alarm_arns: list[str]) -> None:
         """SageMaker reads the auto-rollback alarms with the execution role: "Ensure that your IAM
@@ -272,6 +318,10 @@ class DeciderEndpoint(Construct):
         self.model.apply_removal_policy(RemovalPolicy.RETAIN)
         # CreateModel checks that the role can pull the image: the policy must exist first.
         self.model.node.add_dependency(role.node.find_child("DefaultPolicy"))
+        self.transform_model: sagemaker.CfnModel | None = None
+        if model.archive_uri is not None:
+            self.transform_model = self._transform_model(role, image, model.archive_uri, environment, tags)
+        self.execution.retain()
 
         data_capture = None
         if variant.data_capture.enabled:
@@ -403,16 +453,57 @@ class DeciderEndpoint(Construct):
             routing_config=routing,
         )
 
+    def config_json(self) -> str:
+        """The endpoint config's properties as the template gives them to CloudFormation (tokens
+        resolved at deploy time), as one JSON string: what a parked copy of it must repeat. Called once
+        the config is complete (after AsyncInference)."""
+        config = self.endpoint_config
+        rendered = config._render_properties(config._cfn_properties)  # the L1's own rendering
+        body = {k: v for k, v in rendered.items() if k not in ("Tags", "EndpointConfigName")}
+        return Stack.of(self).to_json_string(body)
+
+    def _transform_model(
+        self,
+        role: iam.Role,
+        image: ImageLocation,
+        archive_uri: str,
+        environment: dict[str, str],
+        tags: list[CfnTag],
+    ) -> sagemaker.CfnModel:
+        """The Model Batch Transform jobs run: the same image and settings, the model from a
+        `model.tar.gz` through ModelDataUrl. "Currently you cannot use ModelDataSource in conjunction
+        with SageMaker batch transform" (ContainerDefinition, ModelDataSource,
+        https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ContainerDefinition.html), and
+        ModelDataUrl "must point to a single gzip compressed tar archive (.tar.gz suffix)". SageMaker
+        unpacks it into /opt/ml/model, so the container finds the same GGUF file name."""
+        transform = sagemaker.CfnModel(
+            self,
+            "TransformModel",
+            execution_role_arn=role.role_arn,
+            enable_network_isolation=self.variant.network_isolation,
+            primary_container=sagemaker.CfnModel.ContainerDefinitionProperty(
+                image=image.uri,
+                mode="SingleModel",
+                environment=dict(sorted(environment.items())),
+                model_data_url=archive_uri,
+            ),
+            tags=tags,
+        )
+        transform.apply_removal_policy(RemovalPolicy.RETAIN)
+        transform.node.add_dependency(role.node.find_child("DefaultPolicy"))
+        return transform
+
     def _deployment_config(self) -> sagemaker.CfnEndpoint.DeploymentConfigProperty:
         policy = self.variant.deployment
+        traffic_routing = self.variant.traffic_routing
         step = sagemaker.CfnEndpoint.CapacitySizeProperty(
             type="INSTANCE_COUNT", value=policy.step_instance_count
         )
         routing = sagemaker.CfnEndpoint.TrafficRoutingConfigProperty(
-            type=policy.traffic_routing,
+            type=traffic_routing,
             wait_interval_in_seconds=policy.wait_interval_s,
-            canary_size=step if policy.traffic_routing == "CANARY" else None,
-            linear_step_size=step if policy.traffic_routing == "LINEAR" else None,
+            canary_size=step if traffic_routing == "CANARY" else None,
+            linear_step_size=step if traffic_routing == "LINEAR" else None,
         )
         return sagemaker.CfnEndpoint.DeploymentConfigProperty(
             blue_green_update_policy=sagemaker.CfnEndpoint.BlueGreenUpdatePolicyProperty(

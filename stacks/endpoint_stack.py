@@ -15,7 +15,9 @@ from stacks.async_inference import AsyncInference, async_environment
 from stacks.client_access import OpenAiPathPolicy, grant_batch_transform
 from stacks.config import (
     IMAGE_URI_RE,
+    MODEL_ARCHIVE,
     S3_PREFIX_RE,
+    TRANSFORM_MODEL_OUTPUT,
     AppConfig,
     VariantConfig,
     container_environment,
@@ -23,7 +25,14 @@ from stacks.config import (
     cost_tags,
     deployed_image_parameter,
 )
-from stacks.deploy_time_build import BakeLoad, DeployedImage, ImageBuild, ModelStaging, PostDeployCheck
+from stacks.deploy_time_build import (
+    BakeLoad,
+    DeployedImage,
+    ImageBuild,
+    ModelStaging,
+    PostDeployCheck,
+    UpdateGuard,
+)
 from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
 from stacks.image_stack import ImageStack
 from stacks.monitoring import EndpointDashboard, unsubscribed
@@ -105,6 +114,15 @@ class EndpointStack(Stack):
                 bucket_name=image_stack.artifacts_bucket_name,
                 settings=container_settings(variant, config.model),
             )
+        # Refusals SageMaker documents fail here, before UpdateEndpoint is called (handlers/update_guard.py).
+        self.guard = UpdateGuard(
+            self,
+            "UpdateGuard",
+            image_stack=image_stack,
+            variant=variant,
+            endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
+        )
+        self.endpoint.endpoint.node.add_dependency(self.guard)
         if image.guard is not None:  # the image is checked and protected before the model uses it
             self.endpoint.model.node.add_dependency(image.guard)
         self.dashboard = EndpointDashboard(self, "Monitoring", variant=variant, alarms=self.endpoint.alarms)
@@ -125,6 +143,7 @@ class EndpointStack(Stack):
             endpoint_name=self.endpoint.endpoint.attr_endpoint_name,
             endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
             rollback_alarms=[alarm.alarm_name for alarm in self.endpoint.alarms.rollback_alarms],
+            endpoint_config=self.endpoint.config_json(),
         )
         if variant.invocation == "async":  # InvokeEndpoint is refused there: check the config only
             self.check.resource.node.default_child.add_property_override("Invocation", "async")  # type: ignore[union-attr]
@@ -177,16 +196,20 @@ class EndpointStack(Stack):
             match = S3_PREFIX_RE.match(variant.model_s3_uri)
             assert match is not None  # validated by the config
             return ModelLocation(
-                s3_uri=variant.model_s3_uri, bucket_name=match["bucket"], prefix=match["prefix"]
+                s3_uri=variant.model_s3_uri,
+                bucket_name=match["bucket"],
+                prefix=match["prefix"],
+                archive_uri=f"{variant.model_s3_uri}{MODEL_ARCHIVE}" if variant.batch_transform else None,
             )
         staging = self.staging = ModelStaging(
-            self, "ModelStaging", image_stack=image_stack, model=config.model
+            self, "ModelStaging", image_stack=image_stack, model=config.model, archive=variant.batch_transform
         )
         return ModelLocation(
             s3_uri=staging.model_s3_uri,
             bucket_name=staging.bucket_name,
             prefix=staging.prefix,
             file=staging.file,
+            archive_uri=staging.archive_uri,
         )
 
     def _outputs(self, image: ImageLocation, model: ModelLocation) -> None:
@@ -208,6 +231,15 @@ class EndpointStack(Stack):
             description="pinned (a -c image_uri deploy, kept until -c <variant>.image_source=build) or build",
         )
         CfnOutput(self, "ModelS3Uri", value=model.s3_uri, description="Model data (uncompressed S3 prefix)")
+        transform = self.endpoint.transform_model
+        if transform is not None:
+            CfnOutput(
+                self,
+                TRANSFORM_MODEL_OUTPUT,
+                value=transform.attr_model_name,
+                description="The Model Batch Transform jobs run (decide-batch submit): the model.tar.gz "
+                "through ModelDataUrl",
+            )
         CfnOutput(
             self,
             "AlarmTopicArn",

@@ -36,10 +36,11 @@ from stacks.config import (
     ModelArtifact,
     VariantConfig,
     cost_tags,
-    data_capture_prefix,
     deployed_image_parameter,
+    expiring_prefixes,
 )
 from stacks.handlers.build_states import FAILED_STATES
+from stacks.handlers.post_deploy_check import parked_prefix
 from stacks.nag import acknowledge
 from stacks.paths import ASSET_EXCLUDES, BUILDSPEC_DIR, CONTAINER_DIR, HANDLERS_DIR, container_excludes
 
@@ -65,7 +66,8 @@ class ArtifactsStore(Construct):
     def __init__(
         self, scope: Construct, construct_id: str, *, project: str, captures: dict[str, int] | None = None
     ) -> None:
-        """`captures`: data-capture prefix → days its objects are kept (they may hold prompts)."""
+        """`captures`: prefix → days its objects are kept (data capture, async inference: they may hold
+        prompts)."""
         super().__init__(scope, construct_id)
         self.access_logs = s3.Bucket(
             self,
@@ -381,7 +383,21 @@ class BuildProvider(Construct):
                 ],
             )
         )
-        # The post-deploy check skips itself while its stack rolls back.
+        # The update guard compares the endpoint's blue/green peak with the account's quotas.
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ReadEndpointQuotas",
+                actions=["servicequotas:ListServiceQuotas", "servicequotas:ListAWSDefaultServiceQuotas"],
+                resources=["*"],
+            )
+        )
+        acknowledge(
+            on_event,
+            "AwsSolutions-IAM5[Resource::*]",
+            "Service Quotas' List actions have no resource-level permissions; the update guard only reads "
+            "SageMaker's instance quotas before an endpoint update.",
+        )
+        # The post-deploy check and the update guard skip themselves while their stack rolls back.
         on_event.add_to_role_policy(
             iam.PolicyStatement(
                 sid="SeeStackRollbacks",
@@ -499,7 +515,9 @@ class BuildProvider(Construct):
             return stack.format_arn(service="sagemaker", resource=resource, resource_name=name)
 
         endpoints = [variant.endpoint_name.lower() for variant in endpoint_stacks.values()]
-        parked = [arn("endpoint-config", f"{name}-parked-*") for name in endpoints]
+        # The parked configs' names keep only the first characters of a long endpoint name.
+        prefixes = [parked_prefix(variant.endpoint_name).lower() for variant in endpoint_stacks.values()]
+        parked = [arn("endpoint-config", f"{prefix}*") for prefix in prefixes]
         function.add_to_role_policy(
             iam.PolicyStatement(
                 sid="ReadPreviousConfigs",
@@ -554,8 +572,8 @@ class BuildProvider(Construct):
         for resource in [
             "arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/*",
             *[
-                f"arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/{n}-parked-*"
-                for n in endpoints
+                f"arn:<AWS::Partition>:sagemaker:<AWS::Region>:<AWS::AccountId>:endpoint-config/{prefix}*"
+                for prefix in prefixes
             ],
             *[
                 f"arn:<AWS::Partition>:cloudwatch:<AWS::Region>:<AWS::AccountId>:alarm:{n}-*"
@@ -653,10 +671,7 @@ class ImageStack(Stack):
             self,
             "Store",
             project=config.project,
-            captures={
-                data_capture_prefix(variant): variant.data_capture.retention_days
-                for variant in endpoint_stacks.values()
-            },
+            captures=expiring_prefixes(list(endpoint_stacks.values())),
         )
         self.artifacts = self.store.bucket
         self.artifacts_bucket_name = artifacts_bucket_name(config.project)

@@ -4,10 +4,17 @@ The rollback alarms compute error *rates*, and count a minute with fewer than
 `alarms.error_rate_min_invocations` invocations as 0 %: on an endpoint without traffic a broken canary
 would always pass. `Custom::BakeLoad` starts beside the endpoint's update (it depends on the new
 endpoint config, as the Endpoint does, not on the Endpoint): while the endpoint is `Updating`, each
-poll of the provider (every 30 s) sends half a minute's worth of `LoadPerMinute` small decision
-requests (the smoke test's request: a few hundred tokens) through sagemaker-runtime, which SageMaker
-spreads over the old fleet and the canary. It never fails the deploy: failed calls are what the alarms
-are for, and it gives up quietly before the provider's limit.
+poll of the provider sends small decision requests (the smoke test's request: a few hundred tokens)
+through sagemaker-runtime, which SageMaker spreads over the old fleet and the canary. It never fails the
+deploy: failed calls are what the alarms are for, and it gives up quietly before the provider's limit.
+
+Every calendar minute (CloudWatch's 1-minute periods) gets at least `LoadPerMinute` requests: a poll
+sends each minute's quota at the start of that minute, sleeps to the next one, and ends only right
+after it met a minute's quota once it has run `POLL_BUDGET_S`. The provider's next poll starts about
+30 s later, so it still finds the rest of that minute, or the start of the next, to send the next
+quota in. (Sending half a minute's worth per poll gave ~8.5 a minute: each poll's own ~12 s added to
+the 30 s wait.) Each request's state starts with a different tag, so that PREFIX_AWARE routing, which
+sends equal body prefixes to one instance, spreads the load over the fleet and the canary.
 
 - Create (first deploy: no blue/green) and a stack rollback send nothing.
 - It waits up to `START_GRACE` for the update to begin (CloudFormation may start it first), and is done
@@ -18,7 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -34,7 +44,8 @@ LOG = logging.getLogger(__name__)
 
 START_GRACE = timedelta(minutes=5)  # for the endpoint to turn Updating
 GIVE_UP_AFTER = timedelta(minutes=50)  # the provider fails a resource at 55 min
-BUDGET_S = 25.0  # seconds of requests per poll (the provider polls every 30 s)
+POLL_BUDGET_S = 120.0  # a poll ends after this, right after meeting a minute's quota
+POLL_LIMIT_S = 240.0  # and never later than this (the polling Lambda times out at 300 s)
 
 
 def start(clients: Any, event: dict[str, Any], now: datetime | None = None) -> dict[str, Any]:
@@ -46,24 +57,52 @@ def start(clients: Any, event: dict[str, Any], now: datetime | None = None) -> d
     return {"StartedAt": (now or datetime.now(UTC)).isoformat()}
 
 
-def _send(runtime: Any, endpoint: str, count: int, budget_s: float) -> tuple[int, int]:
-    """Up to `count` decision requests within `budget_s`: (sent, failed)."""
-    started, sent, failed = time.monotonic(), 0, 0
-    body = json.dumps(smoke.DECISION_REQUEST).encode()
-    while sent < count and time.monotonic() - started < budget_s:
-        sent += 1
-        try:
-            runtime.invoke_endpoint(
-                EndpointName=endpoint,
-                ContentType="application/json",
-                Accept="application/json",
-                CustomAttributes=smoke.DECISION_ROUTE,
-                Body=body,
-            )["Body"].read()
-        except (ClientError, BotoCoreError) as error:
-            failed += 1
-            LOG.info("synthetic request failed (the rollback alarms count it): %s", error)
-    return sent, failed
+@dataclass
+class LoadReport:
+    sent: int = 0
+    failed: int = 0
+    per_minute: Counter[int] = field(default_factory=Counter)  # calendar minute -> requests sent
+
+    def fewest_in_a_full_minute(self) -> int | None:
+        """The fewest requests in a minute the poll spanned whole (None: it spanned none)."""
+        minutes = sorted(self.per_minute)
+        inner = minutes[1:-1]
+        return min(self.per_minute[m] for m in inner) if inner else None
+
+
+def synthetic_body(sequence: int, nonce: str) -> bytes:
+    """The smoke decision request, its state led by a tag unique to this request (the body's first
+    bytes differ, so PREFIX_AWARE routing does not send every synthetic request to one instance)."""
+    request = dict(smoke.DECISION_REQUEST)
+    request["state"] = f"[load {nonce}-{sequence}] {request['state']}"
+    return json.dumps(request).encode()
+
+
+def send_load(runtime: Any, endpoint: str, per_minute: int) -> LoadReport:
+    """At least `per_minute` requests in every calendar minute, for about `POLL_BUDGET_S`."""
+    report, nonce = LoadReport(), secrets.token_hex(4)
+    started = time.time()
+    while True:
+        now = time.time()
+        minute = int(now // 60)
+        if report.per_minute[minute] < per_minute and now - started < POLL_LIMIT_S:
+            report.per_minute[minute] += 1
+            report.sent += 1
+            try:
+                runtime.invoke_endpoint(
+                    EndpointName=endpoint,
+                    ContentType="application/json",
+                    Accept="application/json",
+                    CustomAttributes=smoke.DECISION_ROUTE,
+                    Body=synthetic_body(report.sent, nonce),
+                )["Body"].read()
+            except (ClientError, BotoCoreError) as error:
+                report.failed += 1
+                LOG.info("synthetic request failed (the rollback alarms count it): %s", error)
+            continue
+        if now - started >= POLL_BUDGET_S or now - started >= POLL_LIMIT_S:
+            return report
+        time.sleep(60 * (minute + 1) - now)  # this minute's quota is met: on to the next one
 
 
 def check(
@@ -87,7 +126,17 @@ def check(
     if waited > GIVE_UP_AFTER:
         LOG.warning("%s still updating after %s: stopping the synthetic load", endpoint, waited)
         return {"IsComplete": True, "Data": {"Result": "gave up (update still running)"}}
-    per_poll = max(1, -(-int(props["LoadPerMinute"]) // 2))  # half a minute's worth, rounded up
-    sent, failed = _send(clients["sagemaker-runtime"], endpoint, per_poll, BUDGET_S)
-    LOG.info("%s updating: sent %d synthetic requests, %d failed", endpoint, sent, failed)
+    report = send_load(clients["sagemaker-runtime"], endpoint, int(props["LoadPerMinute"]))
+    fewest = report.fewest_in_a_full_minute()
+    LOG.info(
+        "%s updating: sent %d synthetic requests, %d failed, at least %s in each full minute",
+        endpoint,
+        report.sent,
+        report.failed,
+        "?" if fewest is None else fewest,
+    )
+    if fewest is not None and fewest < int(props["LoadPerMinute"]):
+        LOG.warning(
+            "%s: only %d requests in a minute (slow answers): the alarms may not judge it", endpoint, fewest
+        )
     return {"IsComplete": False}

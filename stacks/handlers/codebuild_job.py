@@ -15,6 +15,8 @@
   stack's config and answers a decision and a chat request (post_deploy_check.py).
 * `BakeLoad`: beside the endpoint update, a few synthetic decision requests a minute while it bakes,
   so that the rollback alarms can judge a quiet canary (bake_load.py).
+* `UpdateGuard`: before the endpoint update, refuse what SageMaker documents it refuses (invocation
+  flips, instance-type changes under autoscaling) and a blue/green peak above the quota (update_guard.py).
 
 CodeBuild refuses StartBuild with AccountLimitExceededException while the account's concurrent-build
 quota is used up (0 or 1 on many new accounts); `is_complete` then retries with exponential backoff
@@ -35,12 +37,14 @@ import boto3
 from botocore.exceptions import ClientError
 
 try:  # package import (tools, tests)
-    from . import bake_load, image_retention, post_deploy_check, wait_signal
+    from . import bake_load, image_retention, post_deploy_check, sagemaker_json, update_guard, wait_signal
     from .build_states import FAILED_STATES
 except ImportError:  # the Lambda asset's root
     import bake_load  # type: ignore[no-redef]
     import image_retention  # type: ignore[no-redef]
     import post_deploy_check  # type: ignore[no-redef]
+    import sagemaker_json  # type: ignore[no-redef]
+    import update_guard  # type: ignore[no-redef]
     import wait_signal  # type: ignore[no-redef]
     from build_states import FAILED_STATES  # type: ignore[no-redef]
 
@@ -67,7 +71,10 @@ class Clients:
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._clients:
-            self._clients[name] = boto3.client(name)
+            # "sagemaker-json": SageMaker calls with bodies the runtime's botocore would refuse.
+            self._clients[name] = (
+                sagemaker_json.SageMakerJson() if name == "sagemaker-json" else boto3.client(name)
+            )
         return self._clients[name]
 
 
@@ -103,6 +110,14 @@ def _model_uri(props: dict[str, Any]) -> str:
     return f"s3://{props['Bucket']}/{props['Prefix']}"
 
 
+def _model_outputs(props: dict[str, Any]) -> dict[str, str]:
+    """The staged model's prefix, and its model.tar.gz when the request asks for one (`Archive`)."""
+    outputs = {"ModelS3Uri": _model_uri(props)}
+    if props.get("Archive"):
+        outputs["ModelArchiveUri"] = f"{_model_uri(props)}{props['Archive']}"
+    return outputs
+
+
 def _physical_id(props: dict[str, Any]) -> str:
     kind = props["Kind"]
     if kind == "Image":
@@ -113,6 +128,8 @@ def _physical_id(props: dict[str, Any]) -> str:
         return f"post-deploy-check:{props['EndpointName']}"
     if kind == "BakeLoad":
         return f"bake-load:{props['EndpointName']}"
+    if kind == "UpdateGuard":
+        return f"update-guard:{props['EndpointName']}"
     return f"deployed-image:{props.get('EndpointName', '')}"
 
 
@@ -134,13 +151,21 @@ def existing_image_digest(ecr: Any, props: dict[str, Any]) -> str | None:
 
 
 def staged_model_present(s3: Any, props: dict[str, Any]) -> bool:
-    """True when the GGUF is already in the bucket with the pinned sha256 and size.
+    """True when the GGUF is already in the bucket with the pinned sha256 and size (and, when the
+    request asks for it, the model.tar.gz made from it: its `sha256` metadata names the GGUF's)."""
+    if not _staged_object(s3, props, props["File"], check_size=True):
+        return False
+    return not props.get("Archive") or _staged_object(s3, props, props["Archive"], check_size=False)
+
+
+def _staged_object(s3: Any, props: dict[str, Any], name: str, *, check_size: bool) -> bool:
+    """One staged object: present with the pinned sha256 (and size).
 
     Without an unconditional s3:ListBucket, S3 answers HeadObject on a missing key with 403, not 404
     (Amazon S3 API Reference, HeadObject). The role's ListBucket is limited to the models/ prefix, so
     a 403 is settled with a prefix listing: not listed means absent; listed means a real denial.
     """
-    bucket, key = props["Bucket"], f"{props['Prefix']}{props['File']}"
+    bucket, key = props["Bucket"], f"{props['Prefix']}{name}"
     try:
         head = s3.head_object(Bucket=bucket, Key=key)
     except ClientError as error:
@@ -156,9 +181,9 @@ def staged_model_present(s3: Any, props: dict[str, Any]) -> bool:
             f"s3://{bucket}/{key} exists, but HeadObject on it is denied (403); the handler role needs "
             "s3:GetObject on the models/ prefix"
         ) from error
-    return head.get("Metadata", {}).get("sha256") == props["Sha256"] and int(head["ContentLength"]) == int(
-        props["SizeBytes"]
-    )
+    if head.get("Metadata", {}).get("sha256") != props["Sha256"]:
+        return False
+    return not check_size or int(head["ContentLength"]) == int(props["SizeBytes"])
 
 
 def pinned_image(ssm: Any, parameter: str) -> str | None:
@@ -218,6 +243,8 @@ def build_request(props: dict[str, Any], request_id: str) -> dict[str, Any]:
             "MODEL_SHA256": props["Sha256"],
             "DEPLOY_REQUEST_ID": request_id,
         }
+        if props.get("Archive"):  # also write the Batch Transform archive (buildspec/model.yml)
+            variables["MODEL_ARCHIVE"] = props["Archive"]
     else:
         raise ValueError(f"{props['Kind']!r} jobs have no build")
     request["environmentVariablesOverride"] = _env(variables)
@@ -296,7 +323,7 @@ def start_model(clients: Any, event: dict[str, Any], now: datetime) -> dict[str,
     props = event["ResourceProperties"]
     if staged_model_present(clients["s3"], props):
         LOG.info("model %s%s already staged; not downloading", _model_uri(props), props["File"])
-        return {"BuildId": "", "ModelS3Uri": _model_uri(props)}
+        return {"BuildId": "", **_model_outputs(props)}
     build = try_start(clients["codebuild"], build_request(props, event["RequestId"]))
     return {"BuildId": build["id"]} if build else _pending(now)
 
@@ -413,10 +440,10 @@ def check_build(
         raise BuildFailedError(f"CodeBuild build {build_id} has unexpected status {status}. Logs: {logs}")
     if not staged_model_present(clients["s3"], props):
         raise BuildFailedError(
-            f"CodeBuild build {build_id} succeeded but {_model_uri(props)}{props['File']} is missing or has "
-            f"another sha256. Logs: {logs}"
+            f"CodeBuild build {build_id} succeeded but {_model_uri(props)}{props['File']} (or its "
+            f"{props.get('Archive') or 'archive'}) is missing or has another sha256. Logs: {logs}"
         )
-    return {"IsComplete": True, "Data": {"ModelS3Uri": _model_uri(props)}}
+    return {"IsComplete": True, "Data": _model_outputs(props)}
 
 
 def parse_wait_data(text: str) -> str:
@@ -481,6 +508,8 @@ def on_event(
         data = post_deploy_check.start(clients, event, now)
     elif kind == "BakeLoad":
         data = bake_load.start(clients, event, now)
+    elif kind == "UpdateGuard":
+        data = update_guard.start(clients, event)
     else:
         raise ValueError(f"unknown job kind {kind!r}")
     return {"PhysicalResourceId": _physical_id(props), "Data": data}
@@ -501,7 +530,7 @@ def is_complete(
         return post_deploy_check.check(clients, props, data, now)
     if kind == "BakeLoad":
         return bake_load.check(clients, props, data, now)
-    if kind == "DeployedImage":
+    if kind in ("DeployedImage", "UpdateGuard"):
         return {"IsComplete": True, "Data": data}
     build_id = data.get("BuildId", "")
     if data.get("Pending"):

@@ -21,11 +21,28 @@ moves the endpoint from the parked copy back to the previous config, which it ca
 During a rollback (the stack is in UPDATE_ROLLBACK_IN_PROGRESS, where CloudFormation sends this
 resource its old properties) nothing is checked: a failure there would leave the stack in
 UPDATE_ROLLBACK_FAILED.
+
+What parking relies on:
+- The parked copy is made from the previous config's *synthesized* properties: the resource's property
+  `EndpointConfig` carries this deploy's config as JSON, so an update's `OldResourceProperties` carry
+  the previous one exactly as CloudFormation created it. It is sent to CreateEndpointConfig as that JSON
+  (sagemaker_json.py), not through the Lambda runtime's botocore, which drops no field it does not know
+  only because it refuses them (PrefixAwareRoutingConfig, MetricsConfig, …). Stacks deployed before
+  this property existed fall back to a DescribeEndpointConfig copy.
+- It parks once: a parked config that exists while the endpoint neither runs it nor moves to it means
+  the parking update itself failed or rolled back; the check then ends, saying what to run.
+- It parks only when the time left before the provider's deadline covers provisioning, the model
+  download and the container's health check of the previous config, and it bounds the parking update
+  by that time (BlueGreenUpdatePolicy MaximumExecutionTimeoutInSeconds, 600-28800 s;
+  https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_BlueGreenUpdatePolicy.html).
+- While the endpoint is `Updating` or `SystemUpdating` on this deploy's config (autoscaling's held-back
+  scale-out, which "is blocked during an update", or patching), the check waits instead of failing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -48,6 +65,18 @@ ENDPOINT_TAG = "promote:endpoint"  # as stacks.config.ENDPOINT_TAG (a Lambda can
 PARKED_TAG = "decider:parked-for"
 REASON_TAG = "decider:parked-because"  # the first failure, for the message the stack fails with
 MAX_TAG_VALUE = 256
+# The provider gives up on a resource this long after its start (stacks.config.PROVIDER_TOTAL_TIMEOUT_MINUTES,
+# which a Lambda cannot import; a test keeps them equal).
+PROVIDER_DEADLINE = timedelta(minutes=55)
+# How long the check waits for an endpoint that is Updating/SystemUpdating on this deploy's config.
+UPDATING_WAIT = timedelta(minutes=30)
+# A parking update's fleet: when the previous config names no provisioning timeout, this is assumed.
+DEFAULT_PROVISION_S = 600
+DEFAULT_DOWNLOAD_S = 900
+DEFAULT_HEALTH_CHECK_S = 900
+# The endpoint-config name prefix a parked copy keeps of the endpoint's name (63 characters in all).
+PARKED_NAME_KEEP = 42
+WAITING_STATES = ("Updating", "SystemUpdating")
 # The fields of a DescribeEndpointConfig answer that CreateEndpointConfig takes back.
 CONFIG_FIELDS = (
     "ProductionVariants",
@@ -60,12 +89,6 @@ CONFIG_FIELDS = (
     "VpcConfig",
     "EnableNetworkIsolation",
 )
-PARKING_DEPLOYMENT = {
-    "BlueGreenUpdatePolicy": {
-        "TrafficRoutingConfiguration": {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 0},
-        "TerminationWaitInSeconds": 0,
-    }
-}
 
 
 class PostDeployCheckError(RuntimeError):
@@ -85,16 +108,57 @@ def start(clients: Any, event: dict[str, Any], now: datetime | None = None) -> d
         LOG.info("stack is rolling back: not checking %s", event["ResourceProperties"]["EndpointName"])
         return {"Skipped": "rollback"}
     data = {"StartedAt": (now or datetime.now(UTC)).isoformat()}
-    previous = (event.get("OldResourceProperties") or {}).get("EndpointConfigName")
+    old = event.get("OldResourceProperties") or {}
+    previous = old.get("EndpointConfigName")
     if event["RequestType"] == "Update" and previous:
         data["PreviousConfig"] = previous
+        if old.get("EndpointConfig"):  # the previous config as synthesized (parking copies it)
+            data["PreviousConfigProperties"] = old["EndpointConfig"]
     return data
+
+
+def parked_prefix(endpoint_name: str) -> str:
+    """What every parked config of an endpoint starts with (the IAM pattern is this, then `*`)."""
+    return f"{endpoint_name[:PARKED_NAME_KEEP]}-parked-"
 
 
 def parking_config_name(endpoint_name: str, previous: str, failed: str) -> str:
     """The copy of `previous` a failed deploy of `failed` parks the endpoint on (at most 63 characters)."""
     digest = hashlib.sha256(f"{previous}|{failed}".encode()).hexdigest()[:10]
-    return f"{endpoint_name[:42]}-parked-{digest}"
+    return f"{parked_prefix(endpoint_name)}{digest}"
+
+
+def previous_properties(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The previous config's synthesized properties (CreateEndpointConfig's shape), when the stack
+    passed them (the `EndpointConfig` property of the previous deploy)."""
+    text = data.get("PreviousConfigProperties")
+    if not text:
+        return None
+    properties = json.loads(text)
+    return {k: v for k, v in properties.items() if k not in ("Tags", "EndpointConfigName")}
+
+
+def parking_need_s(properties: dict[str, Any] | None) -> int:
+    """Seconds a parking update may need: provisioning, the model download and the health check of
+    the previous config's slowest variant (their configured timeouts; defaults where unset)."""
+    variants = (properties or {}).get("ProductionVariants") or [{}]
+    return max(
+        int(v.get("VariantInstanceProvisionTimeoutInSeconds") or DEFAULT_PROVISION_S)
+        + int(v.get("ModelDataDownloadTimeoutInSeconds") or DEFAULT_DOWNLOAD_S)
+        + int(v.get("ContainerStartupHealthCheckTimeoutInSeconds") or DEFAULT_HEALTH_CHECK_S)
+        for v in variants
+    )
+
+
+def parking_deployment(seconds_left: int) -> dict[str, Any]:
+    """All at once, no alarms, and no longer than the time left (600-28800 s)."""
+    return {
+        "BlueGreenUpdatePolicy": {
+            "TrafficRoutingConfiguration": {"Type": "ALL_AT_ONCE", "WaitIntervalInSeconds": 0},
+            "TerminationWaitInSeconds": 0,
+            "MaximumExecutionTimeoutInSeconds": max(600, min(28_800, seconds_left)),
+        }
+    }
 
 
 def _config_exists(sagemaker: Any, name: str) -> bool:
@@ -107,25 +171,38 @@ def _config_exists(sagemaker: Any, name: str) -> bool:
     return True
 
 
-def park(sagemaker: Any, endpoint_name: str, previous: str, parked: str, reason: str) -> None:
-    """Copy `previous` as `parked` (once) and move the endpoint onto it, all at once, without alarms."""
-    if not _config_exists(sagemaker, parked):
+def park(
+    clients: Any,
+    endpoint_name: str,
+    previous: str,
+    parked: str,
+    reason: str,
+    *,
+    properties: dict[str, Any] | None = None,
+    seconds_left: int = 3600,
+) -> None:
+    """Create `parked` as a copy of `previous` and move the endpoint onto it, all at once, without
+    alarms. The copy is `properties` (the previous config as synthesized) sent as JSON, or, without
+    them, a DescribeEndpointConfig copy of the fields botocore knows."""
+    sagemaker = clients["sagemaker"]
+    tags = [
+        {"Key": ENDPOINT_TAG, "Value": endpoint_name},
+        {"Key": PARKED_TAG, "Value": previous},
+        {"Key": REASON_TAG, "Value": _tag_text(reason)},
+    ]
+    if properties is not None:
+        clients["sagemaker-json"].call(
+            "CreateEndpointConfig", {**properties, "EndpointConfigName": parked, "Tags": tags}
+        )
+    else:
         described = sagemaker.describe_endpoint_config(EndpointConfigName=previous)
         copy = {key: described[key] for key in CONFIG_FIELDS if described.get(key) not in (None, [], {})}
-        sagemaker.create_endpoint_config(
-            EndpointConfigName=parked,
-            Tags=[
-                {"Key": ENDPOINT_TAG, "Value": endpoint_name},
-                {"Key": PARKED_TAG, "Value": previous},
-                {"Key": REASON_TAG, "Value": _tag_text(reason)},
-            ],
-            **copy,
-        )
+        sagemaker.create_endpoint_config(EndpointConfigName=parked, Tags=tags, **copy)
     sagemaker.update_endpoint(
         EndpointName=endpoint_name,
         EndpointConfigName=parked,
         RetainAllVariantProperties=True,
-        DeploymentConfig=PARKING_DEPLOYMENT,
+        DeploymentConfig=parking_deployment(seconds_left),
     )
     LOG.warning(
         "parked %s on %s (a copy of %s) so that the stack's rollback can finish",
@@ -184,9 +261,27 @@ def _fail(
             raise PostDeployCheckError(
                 f"{reason}; {name} is {status}, so it could not be parked for the rollback"
             )
+        if _config_exists(clients["sagemaker"], parked):  # park once: the parking update did not take
+            why = endpoint.get("FailureReason") or "no FailureReason given"
+            first = parked_reason(clients["sagemaker"], parked, reason)
+            raise PostDeployCheckError(
+                f"{first}; parking {name} on {parked} (a copy of {previous}) did not take: it runs "
+                f"{live} ({why}), and it is not parked twice. If the "
+                "stack's rollback fails, see docs/deploy.md, 'Rollbacks that finish' (aws cloudformation "
+                "continue-update-rollback)"
+            )
+        properties = previous_properties(data)
+        left = int((datetime.fromisoformat(data["StartedAt"]) + PROVIDER_DEADLINE - now).total_seconds())
+        need = parking_need_s(properties)
+        if left < need:
+            raise PostDeployCheckError(
+                f"{reason}; not parking {name}: provisioning, download and health check of {previous} "
+                f"may take {need} s, only {max(left, 0)} s are left before the custom resource's "
+                "deadline. If the stack's rollback fails, see docs/deploy.md, 'Rollbacks that finish'"
+            )
         LOG.warning("%s; parking %s for the rollback", reason, name)
         try:
-            park(clients["sagemaker"], name, previous, parked, reason)
+            park(clients, name, previous, parked, reason, properties=properties, seconds_left=left)
         except ClientError as error:  # fail now with both reasons: the rollback may need a hand
             raise PostDeployCheckError(
                 f"{reason}; parking {name} on a copy of {previous} failed ({error}): if the stack's rollback "
@@ -245,6 +340,11 @@ def check(
             "rolls the stack back too",
             now,
         )
+    if status in WAITING_STATES:  # autoscaling's held-back scale-out, or patching, on this config
+        if now - datetime.fromisoformat(data["StartedAt"]) < UPDATING_WAIT:
+            LOG.info("%s is %s on %s: waiting", endpoint_name, status, live)
+            return {"IsComplete": False}
+        raise PostDeployCheckError(f"{endpoint_name} is still {status} on {live} after {UPDATING_WAIT}")
     if status != "InService":
         raise PostDeployCheckError(f"{endpoint_name} is {status}, not InService")
     if props.get("Invocation") == "async":  # an async endpoint refuses InvokeEndpoint: no smoke calls

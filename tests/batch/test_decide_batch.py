@@ -34,15 +34,41 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     with mock_aws():
-        clients = {"sagemaker": boto3.client("sagemaker", REGION), "s3": boto3.client("s3", REGION)}
+        clients = {
+            "sagemaker": boto3.client("sagemaker", REGION),
+            "s3": boto3.client("s3", REGION),
+            "cloudformation": boto3.client("cloudformation", REGION),
+        }
         endpoint = load_config(cdk_json_context()).variant("cpu").endpoint_name
         sm = clients["sagemaker"]
-        sm.create_model(
+        image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "a" * 64
+        sm.create_model(  # the endpoint's Model: the GGUF through ModelDataSource
             ModelName="decider-cpu-model-1",
             ExecutionRoleArn=ROLE,
             PrimaryContainer={
-                "Image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "a" * 64
+                "Image": image,
+                "ModelDataSource": {
+                    "S3DataSource": {
+                        "S3Uri": f"s3://{BUCKET}/models/m/",
+                        "S3DataType": "S3Prefix",
+                        "CompressionType": "None",
+                    }
+                },
             },
+        )
+        sm.create_model(  # the stack's Batch Transform Model: a model.tar.gz through ModelDataUrl
+            ModelName="decider-cpu-transform-1",
+            ExecutionRoleArn=ROLE,
+            PrimaryContainer={"Image": image, "ModelDataUrl": f"s3://{BUCKET}/models/m/model.tar.gz"},
+        )
+        clients["cloudformation"].create_stack(
+            StackName="CpuStack",
+            TemplateBody=json.dumps(
+                {
+                    "Resources": {"Topic": {"Type": "AWS::SNS::Topic"}},
+                    "Outputs": {"TransformModelName": {"Value": "decider-cpu-transform-1"}},
+                }
+            ),
         )
         sm.create_endpoint_config(
             EndpointConfigName="decider-cpu-config-1",
@@ -67,9 +93,11 @@ def _run(clients: dict[str, Any], *argv: str, capsys: pytest.CaptureFixture[str]
     return code, captured.out + captured.err
 
 
-def test_submit_starts_a_job_from_the_variants_model(
+def test_submit_runs_the_stacks_transform_model_not_the_endpoints(
     aws: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The endpoint's Model loads through ModelDataSource, which Batch Transform cannot use; the job
+    runs the stack's TransformModelName (ModelDataUrl)."""
     code, out = _run(
         aws,
         "submit",
@@ -86,10 +114,10 @@ def test_submit_starts_a_job_from_the_variants_model(
         capsys=capsys,
     )
     assert code == 0, out
-    assert "started decide-cpu-test: model decider-cpu-model-1 on 2 x" in out
+    assert "started decide-cpu-test: model decider-cpu-transform-1 on 2 x" in out
     job = aws["sagemaker"].describe_transform_job(TransformJobName="decide-cpu-test")
     variant = load_config(cdk_json_context()).variant("cpu")
-    assert job["ModelName"] == "decider-cpu-model-1"
+    assert job["ModelName"] == "decider-cpu-transform-1"
     assert job["TransformResources"] == {"InstanceType": variant.instance_type, "InstanceCount": 2}
     assert job["TransformInput"]["SplitType"] == "Line"
     assert job["TransformInput"]["ContentType"] == "application/jsonlines"
@@ -146,7 +174,14 @@ def test_refusals(aws: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> No
     assert code == 2 and "is not an s3://bucket/prefix URI" in out
     code, out = _run(aws, "submit", "--variant", "gpu", "--input", f"s3://{BUCKET}/in/", "--output",
                      f"s3://{BUCKET}/o/", capsys=capsys)  # fmt: skip
-    assert code == 2 and "cannot read endpoint" in out
+    assert code == 2 and "cannot read stack GpuStack" in out
+    code, out = _run(aws, "submit", "--variant", "cpu", "--model", "decider-cpu-model-1", "--input",
+                     f"s3://{BUCKET}/in/", "--output", f"s3://{BUCKET}/o/", capsys=capsys)  # fmt: skip
+    assert code == 2
+    assert (
+        "decider-cpu-model-1 loads its model through ModelDataSource, which Batch Transform cannot use" in out
+    )
+    assert aws["sagemaker"].list_transform_jobs()["TransformJobSummaries"] == []  # nothing started
     with pytest.raises(BatchError, match="1-3600"):
         transform_job_request(
             JobSpec("j", "m", "s3://b1b/i/", "s3://b1b/o/", "ml.c7i.xlarge", timeout_seconds=7200)

@@ -17,7 +17,17 @@ from tools.preflight import checks, cli
 
 ACCOUNT, REGION = "123456789012", "eu-west-1"
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-SERVICES = ("service-quotas", "sagemaker", "ssm", "cloudformation", "s3", "sts", "logs", "cloudwatch")
+SERVICES = (
+    "service-quotas",
+    "sagemaker",
+    "ssm",
+    "cloudformation",
+    "s3",
+    "sts",
+    "logs",
+    "cloudwatch",
+    "application-autoscaling",
+)
 
 
 @pytest.fixture
@@ -386,7 +396,7 @@ def test_a_compute_type_codebuild_does_not_offer_in_the_region_blocks(aws, capsy
     assert "-c gpu.image_uri=<repo>@sha256:<digest>" in build["fix"]
 
 
-def _live(aws, count: int, invocations_per_minute: float) -> None:
+def _live(aws, count: int, value: float, metric: str = "Invocations") -> None:
     aws["sagemaker"].add_response(
         "describe_endpoint",
         {
@@ -400,9 +410,22 @@ def _live(aws, count: int, invocations_per_minute: float) -> None:
         },
         {"EndpointName": "decider-cpu"},
     )
+    statistic = "Sum" if metric == "Invocations" else "Average"
     aws["cloudwatch"].add_response(
         "get_metric_statistics",
-        {"Datapoints": [{"Sum": invocations_per_minute, "Timestamp": NOW}] * 15},
+        {"Datapoints": [{statistic: value, "Timestamp": NOW}] * 15},
+        {
+            "Namespace": "AWS/SageMaker",
+            "MetricName": metric,
+            "Dimensions": [
+                {"Name": "EndpointName", "Value": "decider-cpu"},
+                {"Name": "VariantName", "Value": "AllTraffic"},
+            ],
+            "StartTime": NOW - checks.LOAD_WINDOW,
+            "EndTime": NOW,
+            "Period": 60,
+            "Statistics": [statistic],
+        },
     )
 
 
@@ -411,7 +434,7 @@ def _live(aws, count: int, invocations_per_minute: float) -> None:
     [(2, 12.0, "warning"), (2, 4.0, "ok"), (4, 40.0, "ok")],  # target 10 a minute per instance
 )
 def test_a_deploy_at_a_low_instance_count_under_load_warns(aws, count, per_minute, status):
-    config = load_config(cdk_json_context())
+    config = load_config({**cdk_json_context(), "cpu.scaling_metric": "invocations"})
     target = checks.Target(config, (config.cpu,), REGION, ACCOUNT)
     _live(aws, count, per_minute)
     [finding] = checks.frozen_scaling(aws["clients"]["sagemaker"], aws["clients"]["cloudwatch"], target, NOW)
@@ -420,4 +443,106 @@ def test_a_deploy_at_a_low_instance_count_under_load_warns(aws, count, per_minut
     if status == "warning":
         assert "autoscaling cannot add instances during the update" in finding.detail
         assert "--min-capacity 4" in finding.fix and "--min-capacity 2 after the deploy" in finding.fix
+    aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)
+
+
+@pytest.mark.parametrize(("concurrency", "status"), [(2.0, "warning"), (0.5, "ok")])
+def test_under_concurrency_scaling_the_load_is_the_concurrency_per_instance(aws, concurrency, status):
+    """The default target tracking follows ConcurrentRequestsPerModel (target 2.3), not invocations:
+    2 requests in each container at once is load, whatever the invocations a minute."""
+    config = load_config(cdk_json_context())
+    assert config.cpu.scaling_metric == "concurrency"
+    target = checks.Target(config, (config.cpu,), REGION, ACCOUNT)
+    _live(aws, 2, concurrency, metric="ConcurrentRequestsPerModel")
+    [finding] = checks.frozen_scaling(aws["clients"]["sagemaker"], aws["clients"]["cloudwatch"], target, NOW)
+    assert finding.status == status
+    assert f"{concurrency:.1f} concurrent requests per instance" in finding.detail
+    assert "(target 2.3)" in finding.detail
+    aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)
+
+
+@pytest.mark.parametrize(("value", "status"), [(0, "missing"), (1, "ok")])
+def test_the_transform_job_quota_is_checked_for_batch_transform(aws, value, status):
+    """Often 0 on new accounts: every decide-batch job would fail with ResourceLimitExceeded."""
+    config = load_config({**cdk_json_context(), "cpu.batch_transform": "true"})
+    target = checks.Target(config, (config.cpu, config.gpu), REGION, ACCOUNT)
+    quotas(aws, "sagemaker", {"ml.c7i.8xlarge for transform job usage": value})
+    [finding] = checks.transform_quotas(aws["clients"]["service-quotas"], target)  # the GPU one is off
+    assert (finding.check, finding.status) == ("ml.c7i.8xlarge for transform job usage", status)
+    if status == "missing":
+        assert "ResourceLimitExceeded" in finding.detail
+        assert "request-service-quota-increase --service-code sagemaker" in finding.fix
+        assert "--desired-value 1" in finding.fix
+    assert (
+        checks.transform_quotas(
+            aws["clients"]["service-quotas"], checks.Target(config, (config.gpu,), REGION, ACCOUNT)
+        )
+        == []
+    )
+    aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)
+
+
+def _live_config(aws, *, asynchronous: bool, instance_type: str, registered: bool) -> None:
+    config: dict[str, Any] = {
+        "EndpointConfigName": "DeciderConfig-1",
+        "EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/deciderconfig-1",
+        "CreationTime": NOW,
+        "ProductionVariants": [
+            {"VariantName": "AllTraffic", "ModelName": "m", "InstanceType": instance_type}
+        ],
+    }
+    if asynchronous:
+        config["AsyncInferenceConfig"] = {"OutputConfig": {"S3OutputPath": "s3://b/async/decider-cpu/output"}}
+    aws["sagemaker"].add_response(
+        "describe_endpoint_config", config, {"EndpointConfigName": "DeciderConfig-1"}
+    )
+    target = {
+        "ServiceNamespace": "sagemaker",
+        "ResourceId": "endpoint/decider-cpu/variant/AllTraffic",
+        "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+        "MinCapacity": 2,
+        "MaxCapacity": 4,
+        "RoleARN": f"arn:aws:iam::{ACCOUNT}:role/aas",
+        "CreationTime": NOW,
+    }
+    aws["application-autoscaling"].add_response(
+        "describe_scalable_targets",
+        {"ScalableTargets": [target] if registered else []},
+        {
+            "ServiceNamespace": "sagemaker",
+            "ResourceIds": ["endpoint/decider-cpu/variant/AllTraffic"],
+            "ScalableDimension": "sagemaker:variant:DesiredInstanceCount",
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("asynchronous", "instance_type", "registered", "refusal"),
+    [
+        (True, "ml.c7i.8xlarge", True, "invocation async -> realtime under the same endpoint name"),
+        (False, "ml.c7i.4xlarge", True, "while the variant is an Application Auto Scaling target"),
+        (False, "ml.c7i.4xlarge", False, None),  # not registered: the type may change
+        (False, "ml.c7i.8xlarge", True, None),
+    ],
+)
+def test_an_update_sagemaker_refuses_blocks_before_ci_builds(
+    aws, asynchronous, instance_type, registered, refusal
+):
+    """The live endpoint against this config, by the update guard's rules."""
+    config = load_config(cdk_json_context())
+    target = checks.Target(config, (config.cpu,), REGION, ACCOUNT)
+    _live(aws, 4, 0.1, metric="ConcurrentRequestsPerModel")
+    _live_config(aws, asynchronous=asynchronous, instance_type=instance_type, registered=registered)
+    findings = checks.frozen_scaling(
+        aws["clients"]["sagemaker"],
+        aws["clients"]["cloudwatch"],
+        target,
+        NOW,
+        autoscaling=aws["clients"]["application-autoscaling"],
+    )
+    rules = next(f for f in findings if f.check == "update of decider-cpu")
+    if refusal is None:
+        assert rules.status == "ok"
+    else:
+        assert rules.status == "missing" and rules.blocking and refusal in rules.detail
     aws["clients"]["sts"].get_caller_identity()  # (the fixture's queued answer)

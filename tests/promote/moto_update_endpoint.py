@@ -55,7 +55,14 @@ class UpdateSimulator:
         self.update_calls.clear()
         self._pending.clear()
 
-    def start(self, backend: SageMakerModelBackend, name: str, config: str, deployment: dict | None) -> str:
+    def start(
+        self,
+        backend: SageMakerModelBackend,
+        name: str,
+        config: str,
+        deployment: dict | None,
+        retain: bool | None = None,
+    ) -> str:
         endpoint = backend.endpoints.get(name)
         if endpoint is None:
             raise ValidationError(message=f"Could not find endpoint '{name}'.")
@@ -67,7 +74,12 @@ class UpdateSimulator:
                 message=f'Endpoint "{endpoint.arn}" already runs endpoint config "{config}".'
             )
         self.update_calls.append(
-            {"EndpointName": name, "EndpointConfigName": config, "DeploymentConfig": deployment}
+            {
+                "EndpointName": name,
+                "EndpointConfigName": config,
+                "DeploymentConfig": deployment,
+                "RetainAllVariantProperties": retain,
+            }
         )
         endpoint.endpoint_status = "Updating"
         endpoint.failure_reason = None
@@ -128,6 +140,7 @@ def install() -> None:
             self._get_param("EndpointName"),
             self._get_param("EndpointConfigName"),
             self._get_param("DeploymentConfig"),
+            self._get_param("RetainAllVariantProperties"),
         )
         return ActionResult({"EndpointArn": arn})
 

@@ -178,3 +178,35 @@ def test_a_failed_push_of_a_new_tag_stops_the_pipeline(tmp_path):
     assert result.returncode != 0
     assert "docker push of cpu-0123456789ab failed" in result.stderr
     assert not [c for c in calls if "cuda" in c]  # the GPU image is never built
+
+
+def _timeout_step(tmp_path: Path, minutes: str):
+    """The first pre_build step against an `aws` stub whose build has `minutes` of timeout."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "aws").write_text(f"#!/usr/bin/env bash\necho '{minutes}'\n")
+    (bin_dir / "aws").chmod(0o755)
+    block = next(c for c in _commands() if "ci_budget" in c)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CODEBUILD_BUILD_ID": "ci-project:42"}
+    return subprocess.run(
+        ["bash", "-c", block], capture_output=True, text=True, cwd=PIPELINE.parents[1], env=env, timeout=120
+    )
+
+
+def test_the_build_refuses_a_project_timeout_shorter_than_its_two_canary_deploys(tmp_path):
+    from stacks.config import load_config
+    from stacks.synth import cdk_json_context
+    from tools.promote import ci_budget
+
+    text = "\n".join(_commands())
+    assert text.index("tools.promote.ci_budget") < text.index("make test") < text.index("npx cdk deploy")
+    needed = ci_budget.pipeline_minutes(load_config(cdk_json_context()))
+    assert needed > 60  # CodeBuild's default timeout cannot hold the pipeline
+    short = _timeout_step(tmp_path / "short", "60")
+    assert short.returncode == 1
+    assert f"times out after 60 min; the pipeline with two canary deploys may need {needed}" in short.stdout
+    assert f"update-project --name ci-project --timeout-in-minutes {needed}" in short.stdout
+    assert _timeout_step(tmp_path / "long", str(needed)).returncode == 0

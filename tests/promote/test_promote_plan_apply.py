@@ -167,6 +167,8 @@ def test_rollback_returns_to_previous_and_toggles(aws, capsys):
         "DeploymentConfig" not in aws.simulator.update_calls[-1]
         or aws.simulator.update_calls[-1]["DeploymentConfig"] is None
     )
+    # An autoscaled fleet keeps its live count (and weight) on every update promote makes.
+    assert all(call.get("RetainAllVariantProperties") is True for call in aws.simulator.update_calls)
     assert cli.main(["rollback", "--endpoint", "decider-cpu", *FAST]) == EXIT_OK
     assert aws.endpoint("decider-cpu")["EndpointConfigName"] == promoted
 

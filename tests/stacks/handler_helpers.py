@@ -14,7 +14,17 @@ import boto3
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
-SERVICES = ("codebuild", "ecr", "s3", "ssm", "sagemaker", "sagemaker-runtime", "cloudformation")
+SERVICES = (
+    "codebuild",
+    "ecr",
+    "s3",
+    "ssm",
+    "sagemaker",
+    "sagemaker-runtime",
+    "cloudformation",
+    "cloudwatch",
+    "service-quotas",
+)
 
 
 @dataclass

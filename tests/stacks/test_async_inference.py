@@ -123,3 +123,19 @@ def test_realtime_by_default_and_invalid_values_name_the_key(synth: Synth) -> No
         load_config({**cdk_json_context(), "cpu.invocation": "sync"})
     with pytest.raises(ConfigError, match="invocation_timeout_s"):
         load_config({**cdk_json_context(), "cpu.async_inference.invocation_timeout_s": "7200"})
+
+
+def test_async_requests_answers_and_failures_expire(synth_async: Synth) -> None:
+    """They may hold prompts: the artifacts bucket expires async/<endpoint>/ like the data capture."""
+    bucket = next(
+        b["Properties"]
+        for b in resources(synth_async.templates["ImageStack"], "AWS::S3::Bucket").values()
+        if "BucketName" in b["Properties"]
+    )
+    rules = {r.get("Prefix"): r for r in bucket["LifecycleConfiguration"]["Rules"]}
+    rule = rules[f"async/{ASYNC_NAME}/"]
+    assert rule["ExpirationInDays"] == 30 and rule["Status"] == "Enabled"
+    config = load_config(
+        {**cdk_json_context(), "cpu.invocation": "async", "cpu.async_inference.retention_days": "7"}
+    )
+    assert config.cpu.async_inference.retention_days == 7

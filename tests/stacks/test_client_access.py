@@ -74,6 +74,8 @@ def test_off_by_default(synth: Synth) -> None:
         assert not resources(template, "AWS::IAM::ManagedPolicy")
         assert "ReadBatchInput" not in _statements(template)
         assert "OpenAiPathPolicyArn" not in template.get("Outputs", {})
+        assert "TransformModelName" not in template.get("Outputs", {})
+        assert len(resources(template, "AWS::SageMaker::Model")) == 1
 
 
 def test_cfn_lint_is_clean(synth_access: Synth) -> None:
@@ -83,3 +85,44 @@ def test_cfn_lint_is_clean(synth_access: Synth) -> None:
     matches = lint(template, config=ManualArgs(regions=["us-east-1", "eu-west-1"]))
     errors = [m for m in matches if m.rule.id.startswith("E")]
     assert errors == [], "\n".join(f"{m.rule.id} {m.message} ({m.path})" for m in errors)
+
+
+def test_batch_transform_gets_a_model_on_a_tar_gz(synth_access: Synth) -> None:
+    """Batch Transform cannot use ModelDataSource (ContainerDefinition): the stack adds a Model on the
+    staged model.tar.gz through ModelDataUrl, outputs its name, and its role may read the archive."""
+    template = synth_access.templates["CpuStack"]
+    models = resources(template, "AWS::SageMaker::Model")
+    transform = {k: m for k, m in models.items() if "ModelDataUrl" in m["Properties"]["PrimaryContainer"]}
+    assert len(models) == 2 and len(transform) == 1
+    [(logical, model)] = transform.items()
+    container = model["Properties"]["PrimaryContainer"]
+    assert "ModelDataSource" not in container
+    staging_id = only_id(template, "Custom::ModelStaging")
+    assert container["ModelDataUrl"] == {"Fn::GetAtt": [staging_id, "ModelArchiveUri"]}
+    assert template["Resources"][staging_id]["Properties"]["Archive"] == "model.tar.gz"
+    assert template["Outputs"]["TransformModelName"]["Value"] == {"Fn::GetAtt": [logical, "ModelName"]}
+    [endpoint_model] = [m for k, m in models.items() if k != logical]
+    assert container["Image"] == endpoint_model["Properties"]["PrimaryContainer"]["Image"]
+    assert container["Environment"] == endpoint_model["Properties"]["PrimaryContainer"]["Environment"]
+    assert model["Properties"]["ExecutionRoleArn"] == endpoint_model["Properties"]["ExecutionRoleArn"]
+    assert model["DeletionPolicy"] == "Retain" and model["UpdateReplacePolicy"] == "Retain"
+    read = _text(_statements(template)["ReadModel"]["Resource"])
+    assert "/model.tar.gz" in read and ".gguf" in read
+
+
+def only_id(template: dict[str, Any], cfn_type: str) -> str:
+    [logical] = resources(template, cfn_type)
+    return logical
+
+
+def test_turning_batch_transform_on_keeps_the_endpoints_model_and_role(
+    synth: Synth, synth_access: Synth
+) -> None:
+    """Only grants and the Transform Model are added: no new role, so no endpoint update for it."""
+    before = only(synth.templates["CpuStack"], "AWS::SageMaker::Model")["Properties"]
+    after = [
+        m["Properties"]
+        for m in resources(synth_access.templates["CpuStack"], "AWS::SageMaker::Model").values()
+        if "ModelDataSource" in m["Properties"]["PrimaryContainer"]
+    ]
+    assert after == [before]

@@ -27,6 +27,7 @@ CUSTOM_RESOURCE_TYPES = {
     "Custom::ImageBuild",
     "Custom::DeployedImage",
     "Custom::PostDeployCheck",
+    "Custom::UpdateGuard",
 }
 
 

@@ -4,15 +4,25 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import boto3
 import pytest
+from botocore.exceptions import ClientError
 from botocore.stub import ANY
 from handler_helpers import body, start_handle, stubbed_clients
 
-from stacks.handlers import build_watcher, codebuild_job, post_deploy_check, wait_signal
+from stacks.handlers import (
+    bake_load,
+    build_watcher,
+    codebuild_job,
+    post_deploy_check,
+    update_guard,
+    wait_signal,
+)
 from stacks.handlers.image_retention import parse_image_uri, protect_image
 from stacks.handlers.smoke import CHAT_REQUEST, DECISION_REQUEST
 
@@ -324,48 +334,105 @@ LOAD_PROPS = {
 }
 
 
-def synthetic_requests(aws: dict[str, Any], count: int, *, fail: bool = False) -> None:
-    for _ in range(count):
-        expected = {
-            "EndpointName": "decider-cpu",
-            "ContentType": "application/json",
-            "Accept": "application/json",
-            "CustomAttributes": "route=/v1/systemone",
-            "Body": json.dumps(DECISION_REQUEST).encode(),
+class FakeTime:
+    """Stands in for the `time` module of bake_load: a clock that only sleeps and invokes move."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+class SlowRuntime:
+    """sagemaker-runtime answering each InvokeEndpoint after 2 s of fake time (a CPU endpoint's pace)."""
+
+    def __init__(self, clock: FakeTime, *, fail: bool = False) -> None:
+        self.clock, self.fail = clock, fail
+        self.calls: list[tuple[float, dict[str, Any]]] = []
+
+    def invoke_endpoint(self, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append((self.clock.now, kwargs))
+        self.clock.now += 2.0
+        if self.fail:
+            raise ClientError({"Error": {"Code": "ModelError", "Message": "500"}}, "InvokeEndpoint")
+        return {"Body": body(DECISION_OK), "ContentType": "application/json"}
+
+
+class EndpointStatus:
+    """DescribeEndpoint answering `status` (set by the test)."""
+
+    def __init__(self, status: str, config: str = "DeciderConfig-OLD") -> None:
+        self.status, self.config = status, config
+
+    def describe_endpoint(self, EndpointName: str) -> dict[str, Any]:  # noqa: N803 - boto3's spelling
+        return {
+            "EndpointName": EndpointName,
+            "EndpointStatus": self.status,
+            "EndpointConfigName": self.config,
         }
-        if fail:
-            aws["sagemaker-runtime"].add_client_error(
-                "invoke_endpoint", "ModelError", expected_params=expected
-            )
-        else:
-            aws["sagemaker-runtime"].add_response(
-                "invoke_endpoint", {"Body": body(DECISION_OK), "ContentType": "application/json"}, expected
-            )
 
 
-def test_a_quiet_canary_gets_synthetic_load_while_the_update_bakes(aws):
+def poll_bake(clients: dict[str, Any], clock: FakeTime, data: dict[str, Any]) -> dict[str, Any]:
+    """One poll of the provider, then its 30 s query interval and ~1 s of invocation overhead."""
+    result = bake_load.check(clients, LOAD_PROPS, data, now=datetime.fromtimestamp(clock.now, UTC))
+    clock.now += 31.0
+    return result
+
+
+def test_every_minute_of_the_bake_gets_the_alarms_floor_of_synthetic_requests(monkeypatch):
+    """With 2 s answers and the provider's 30 s between polls, every calendar minute (CloudWatch's
+    period) of the bake gets LoadPerMinute (12) requests, at least error_rate_min_invocations (10)."""
+    from stacks.config import load_config
+    from stacks.synth import cdk_json_context
+
+    clock = FakeTime(1_767_268_817.0)  # not on a minute boundary
+    monkeypatch.setattr(bake_load, "time", clock)
+    runtime = SlowRuntime(clock)
+    clients = {"sagemaker": EndpointStatus("Updating"), "sagemaker-runtime": runtime}
+    data = {"StartedAt": datetime.fromtimestamp(clock.now, UTC).isoformat()}
+    end = clock.now + 15 * 60
+    while clock.now < end:
+        assert poll_bake(clients, clock, data) == {"IsComplete": False}
+    per_minute = Counter(int(t // 60) for t, _ in runtime.calls)
+    full = sorted(per_minute)[1:-1]
+    assert len(full) >= 12
+    floor = load_config(cdk_json_context()).cpu.alarms.error_rate_min_invocations
+    assert min(per_minute[m] for m in full) >= int(LOAD_PROPS["LoadPerMinute"]) >= floor, per_minute
+    # PREFIX_AWARE routing hashes the body's first bytes: every synthetic request starts differently.
+    heads = [call["Body"][:40] for _, call in runtime.calls]
+    assert len(set(heads)) == len(heads)
+    assert all(call["CustomAttributes"] == "route=/v1/systemone" for _, call in runtime.calls)
+    assert json.loads(runtime.calls[0][1]["Body"])["questions"] == DECISION_REQUEST["questions"]
+
+
+def test_a_broken_canary_keeps_getting_load_and_the_load_ends_with_the_update(aws, monkeypatch):
+    clock = FakeTime(1_767_268_800.0)
+    monkeypatch.setattr(bake_load, "time", clock)
     stack_status(aws, "UPDATE_IN_PROGRESS")
     started = codebuild_job.on_event(event("Update", LOAD_PROPS), clients=aws["clients"], now=NOW)
     assert started["PhysicalResourceId"] == "bake-load:decider-cpu"
-    polled = {**started}
+    data = started["Data"]
+    status = EndpointStatus("InService")
+    runtime = SlowRuntime(clock, fail=True)
+    clients = {"sagemaker": status, "sagemaker-runtime": runtime}
+    assert poll_bake(clients, clock, {"StartedAt": clock_iso(clock)}) == {"IsComplete": False}  # not begun
+    assert runtime.calls == []
+    status.status = "Updating"
+    assert poll_bake(clients, clock, data | {"StartedAt": clock_iso(clock)}) == {"IsComplete": False}
+    assert len(runtime.calls) >= 12  # failed calls are what the alarms count: the load goes on
+    status.status, status.config = "InService", "DeciderConfig-NEW"
+    assert poll_bake(clients, clock, {"StartedAt": clock_iso(clock, -20 * 60)})["IsComplete"] is True
 
-    def poll(minutes: float) -> dict[str, Any]:
-        return codebuild_job.is_complete(
-            event("Update", LOAD_PROPS, **polled),
-            clients=aws["clients"],
-            now=NOW + timedelta(minutes=minutes),
-        )
 
-    endpoint(aws, "DeciderConfig-OLD")  # CloudFormation has not called UpdateEndpoint yet: wait
-    assert poll(0.5) == {"IsComplete": False}
-    endpoint(aws, "DeciderConfig-OLD", status="Updating")
-    synthetic_requests(aws, 6)  # half a minute of 12 a minute: ≥ the alarms' 10 invocations a minute
-    assert poll(1) == {"IsComplete": False}
-    endpoint(aws, "DeciderConfig-OLD", status="Updating")
-    synthetic_requests(aws, 6, fail=True)  # a broken canary: the alarms count these, the load goes on
-    assert poll(1.5) == {"IsComplete": False}
-    endpoint(aws, "DeciderConfig-NEW")
-    assert poll(20)["IsComplete"] is True
+def clock_iso(clock: FakeTime, offset_s: float = 0.0) -> str:
+    return datetime.fromtimestamp(clock.now + offset_s, UTC).isoformat()
 
 
 def test_no_load_on_create_or_rollback_and_never_past_the_providers_limit(aws):
@@ -405,3 +472,269 @@ def test_an_async_endpoint_is_checked_by_its_config_without_smoke_calls(aws):
         post_deploy_check.PostDeployCheckError, match="runs endpoint config DeciderConfig-OLD"
     ):
         codebuild_job.is_complete(event("Update", props, Data=data), clients=aws["clients"], now=NOW)
+
+
+# --- parking: wait, copy the synthesized config, park once, only in time (issue 24) ------------------
+
+PREVIOUS_CONFIG = "DeciderConfig-OLD"
+PARKED = post_deploy_check.parking_config_name("decider-cpu", PREVIOUS_CONFIG, "DeciderConfig-NEW")
+
+
+class RecordingJson:
+    """Stands in for stacks.handlers.sagemaker_json.SageMakerJson: records each call's body."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append((operation, body))
+        name = body["EndpointConfigName"]
+        return {"EndpointConfigArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/{name}"}
+
+
+def resolve(value: Any) -> Any:
+    """A template value as CloudFormation would resolve it, with made-up names for references."""
+    if isinstance(value, dict):
+        if "Fn::Join" in value:
+            separator, parts = value["Fn::Join"]
+            return separator.join(str(resolve(part)) for part in parts)
+        if "Fn::GetAtt" in value:
+            return "-".join(value["Fn::GetAtt"])
+        if "Ref" in value:
+            return f"ref-{value['Ref']}"
+        return {k: resolve(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve(v) for v in value]
+    return value
+
+
+def check_update(aws: dict[str, Any], old_props: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """onEvent of the check for an update from `old_props`, as the provider passes it on."""
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    update = event("Update", CHECK_PROPS, OldResourceProperties=old_props)
+    return {**update, **codebuild_job.on_event(update, clients=aws["clients"], now=now)}
+
+
+def config_missing(aws: dict[str, Any], name: str) -> None:
+    aws["sagemaker"].add_client_error(
+        "describe_endpoint_config",
+        "ValidationException",
+        "Could not find endpoint configuration",
+        expected_params={"EndpointConfigName": name},
+    )
+
+
+@pytest.mark.parametrize("status", ["Updating", "SystemUpdating"])
+def test_the_check_waits_while_the_endpoint_updates_on_its_own_config(aws, status):
+    """Autoscaling's held-back scale-out right after the bake (or patching): wait, do not fail."""
+    data = {"StartedAt": NOW.isoformat()}
+    endpoint(aws, "DeciderConfig-NEW", status=status)
+    soon = NOW + timedelta(minutes=3)
+    assert codebuild_job.is_complete(
+        event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=soon
+    ) == {"IsComplete": False}
+    endpoint(aws, "DeciderConfig-NEW", status=status)
+    late = NOW + post_deploy_check.UPDATING_WAIT + timedelta(seconds=1)
+    with pytest.raises(post_deploy_check.PostDeployCheckError, match=f"still {status} on DeciderConfig-NEW"):
+        codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=late)
+
+
+@pytest.mark.cdk
+def test_parking_copies_every_field_of_the_synthesized_gpu_config(aws, synth_prebuilt):
+    """The GPU config with PREFIX_AWARE routing and instance pools, as the template gives it to
+    CloudFormation, is what the parked copy repeats: sent as JSON, not through the runtime's botocore."""
+    template = synth_prebuilt.templates["GpuStack"]
+    [check_props] = [
+        r["Properties"] for r in template["Resources"].values() if r["Type"] == "Custom::PostDeployCheck"
+    ]
+    [config] = [
+        r["Properties"]
+        for r in template["Resources"].values()
+        if r["Type"] == "AWS::SageMaker::EndpointConfig"
+    ]
+    synthesized = resolve({k: v for k, v in config.items() if k != "Tags"})
+    variant = synthesized["ProductionVariants"][0]
+    assert variant["RoutingConfig"]["PrefixAwareRoutingConfig"] == {
+        "PrefixLength": 2048,
+        "ConcurrencyThreshold": 2,
+    }
+    assert len(variant["InstancePools"]) == 3
+    old = {
+        **CHECK_PROPS,
+        "EndpointConfigName": PREVIOUS_CONFIG,
+        "EndpointConfig": resolve(check_props["EndpointConfig"]),
+    }
+    started = check_update(aws, old, NOW)
+    aws["clients"]["sagemaker-json"] = recorder = RecordingJson()
+    endpoint(aws, PREVIOUS_CONFIG)  # SageMaker rolled the update back on its own
+    config_missing(aws, PARKED)
+    aws["sagemaker"].add_response(
+        "update_endpoint",
+        {"EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/decider-cpu"},
+        {
+            "EndpointName": "decider-cpu",
+            "EndpointConfigName": PARKED,
+            "RetainAllVariantProperties": True,
+            "DeploymentConfig": post_deploy_check.parking_deployment(55 * 60 - 60),
+        },
+    )
+    result = codebuild_job.is_complete(started, clients=aws["clients"], now=NOW + timedelta(minutes=1))
+    assert result == {"IsComplete": False}
+    [(operation, body)] = recorder.calls
+    assert operation == "CreateEndpointConfig" and body["EndpointConfigName"] == PARKED
+    assert {k: v for k, v in body.items() if k not in ("EndpointConfigName", "Tags")} == synthesized
+    assert {"Key": "promote:endpoint", "Value": "decider-cpu"} in body["Tags"]
+    policy = post_deploy_check.parking_deployment(3540)["BlueGreenUpdatePolicy"]
+    assert policy["MaximumExecutionTimeoutInSeconds"] == 3540  # the parking update has a deadline
+
+
+def test_a_parked_update_that_did_not_take_ends_the_check_without_parking_again(aws):
+    data = {"StartedAt": NOW.isoformat(), "PreviousConfig": PREVIOUS_CONFIG}
+    endpoint(aws, PREVIOUS_CONFIG, reason="the parked update was rolled back")
+    parked_arn = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint-config/{PARKED}"
+    described = {
+        "EndpointConfigName": PARKED,
+        "EndpointConfigArn": parked_arn,
+        "ProductionVariants": [{"VariantName": "AllTraffic", "ModelName": "model-previous"}],
+        "CreationTime": NOW,
+    }
+    aws["sagemaker"].add_response("describe_endpoint_config", described, {"EndpointConfigName": PARKED})
+    aws["sagemaker"].add_response("describe_endpoint_config", described, {"EndpointConfigName": PARKED})
+    aws["sagemaker"].add_response(
+        "list_tags",
+        {"Tags": [{"Key": "decider:parked-because", "Value": "smoke calls failed"}]},
+        {"ResourceArn": parked_arn},
+    )
+    with pytest.raises(post_deploy_check.PostDeployCheckError) as failure:
+        codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=NOW)
+    message = str(failure.value)
+    assert message.startswith("smoke calls failed; parking decider-cpu on")  # the first failure, kept
+    assert (
+        "did not take" in message and "not parked twice" in message and "continue-update-rollback" in message
+    )
+    # (the Stubber fails on any UpdateEndpoint: none was made)
+
+
+def test_no_parking_when_the_time_left_cannot_cover_provisioning_download_and_health_check(aws):
+    data = {"StartedAt": NOW.isoformat(), "PreviousConfig": PREVIOUS_CONFIG}
+    endpoint(aws, PREVIOUS_CONFIG)
+    config_missing(aws, PARKED)
+    late = NOW + timedelta(minutes=40)  # 15 min left; 600 + 900 + 900 s may be needed
+    with pytest.raises(
+        post_deploy_check.PostDeployCheckError, match=r"not parking decider-cpu: .* 2400 s, only 900 s"
+    ):
+        codebuild_job.is_complete(event("Update", CHECK_PROPS, Data=data), clients=aws["clients"], now=late)
+
+
+def test_the_handlers_deadline_is_the_providers():
+    from stacks.config import PROVIDER_TOTAL_TIMEOUT_MINUTES
+
+    expected = timedelta(minutes=PROVIDER_TOTAL_TIMEOUT_MINUTES)
+    assert expected == post_deploy_check.PROVIDER_DEADLINE
+
+
+@pytest.mark.parametrize("length", range(1, 64))
+def test_the_parked_name_fits_and_keeps_the_iam_prefix(length):
+    name = ("Ab1-" * 16)[:length].rstrip("-") or "a"
+    parked = post_deploy_check.parking_config_name(name, "prev", "new")
+    assert len(parked) <= 63 and parked.startswith(post_deploy_check.parked_prefix(name))
+
+
+# --- the update guard: documented refusals and the quota, before the Endpoint is touched -------------
+
+GUARD_PROPS = {
+    "ServiceToken": SERVICE_TOKEN,
+    "Kind": "UpdateGuard",
+    "Variant": "cpu",
+    "EndpointName": "decider-cpu",
+    "EndpointConfigName": "DeciderConfig-NEW",
+    "Invocation": "realtime",
+    "InstanceTypes": ["ml.c7i.8xlarge"],
+    "Autoscaling": "true",
+    "InitialInstances": "2",
+    "PeakInstances": "8",
+}
+
+
+def quotas(aws: dict[str, Any], value: float, applied: float | None = None) -> None:
+    quota = {"QuotaName": "ml.c7i.8xlarge for endpoint usage", "QuotaCode": "L-1", "ServiceCode": "sagemaker"}
+    aws["service-quotas"].add_response(
+        "list_aws_default_service_quotas",
+        {"Quotas": [{**quota, "Value": value}]},
+        {"ServiceCode": "sagemaker"},
+    )
+    aws["service-quotas"].add_response(
+        "list_service_quotas",
+        {"Quotas": [{**quota, "Value": applied}] if applied is not None else []},
+        {"ServiceCode": "sagemaker"},
+    )
+
+
+def test_the_guard_refuses_a_blue_green_peak_above_the_quota(aws):
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    quotas(aws, 2, applied=6)  # the applied value wins over the default
+    update = event("Update", GUARD_PROPS, OldResourceProperties={**GUARD_PROPS, "EndpointConfigName": "OLD"})
+    with pytest.raises(
+        update_guard.UpdateRefusedError, match=r"quota 'ml.c7i.8xlarge for endpoint usage' is 6, but"
+    ):
+        codebuild_job.on_event(update, clients=aws["clients"], now=NOW)
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    quotas(aws, 8)
+    result = codebuild_job.on_event(update, clients=aws["clients"], now=NOW)
+    assert result["PhysicalResourceId"] == "update-guard:decider-cpu"
+    done = codebuild_job.is_complete({**update, **result}, clients=aws["clients"])
+    assert done["IsComplete"] is True
+
+
+def test_the_guard_checks_the_first_fleet_on_create_and_nothing_while_rolling_back(aws):
+    quotas(aws, 1)
+    with pytest.raises(update_guard.UpdateRefusedError, match="runs 2 instances to start"):
+        codebuild_job.on_event(event("Create", GUARD_PROPS), clients=aws["clients"], now=NOW)
+    stack_status(aws, "UPDATE_ROLLBACK_IN_PROGRESS")  # the way back is never refused (no quota read)
+    flip = event("Update", GUARD_PROPS, OldResourceProperties={**GUARD_PROPS, "Invocation": "async"})
+    assert codebuild_job.on_event(flip, clients=aws["clients"], now=NOW)["Data"] == {
+        "Result": "skipped (rollback)"
+    }
+
+
+def test_the_guard_passes_when_the_quotas_cannot_be_read(aws):
+    aws["service-quotas"].add_client_error("list_aws_default_service_quotas", "AccessDeniedException")
+    result = codebuild_job.on_event(event("Create", GUARD_PROPS), clients=aws["clients"], now=NOW)
+    assert "accepted" in result["Data"]["Result"]
+
+
+# --- the signed-JSON SageMaker call (fields the runtime's botocore does not know) --------------------
+
+
+class FakeHttp:
+    def __init__(self, status: int, payload: dict[str, Any]) -> None:
+        self.status, self.payload = status, payload
+        self.sent: list[Any] = []
+
+    def send(self, request: Any) -> Any:
+        self.sent.append(request)
+        return type(
+            "Response", (), {"status_code": self.status, "content": json.dumps(self.payload).encode()}
+        )()
+
+
+def test_the_json_call_sends_the_body_as_given_signed_for_sagemaker(aws):
+    from stacks.handlers.sagemaker_json import SageMakerJson
+
+    session = boto3.session.Session(
+        aws_access_key_id="AKID", aws_secret_access_key="secret", region_name=REGION
+    )
+    client = SageMakerJson(session)
+    client.http = http = FakeHttp(200, {"EndpointConfigArn": "arn:x"})
+    body = {"EndpointConfigName": "c", "ProductionVariants": [{"RoutingConfig": {"FutureField": {"X": 1}}}]}
+    assert client.call("CreateEndpointConfig", body) == {"EndpointConfigArn": "arn:x"}
+    [request] = http.sent
+    assert request.url == f"https://api.sagemaker.{REGION}.amazonaws.com/" and request.method == "POST"
+    assert request.headers["X-Amz-Target"] == "SageMaker.CreateEndpointConfig"
+    assert request.headers["Content-Type"] == "application/x-amz-json-1.1"
+    assert request.headers["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=AKID/")
+    assert f"/{REGION}/sagemaker/aws4_request" in request.headers["Authorization"]
+    assert json.loads(request.body) == body  # unknown to any botocore model, and still sent
+    client.http = FakeHttp(400, {"__type": "com.amazon.coral.validate#ValidationException", "message": "bad"})
+    with pytest.raises(ClientError, match=r"ValidationException.*bad"):
+        client.call("CreateEndpointConfig", body)

@@ -146,15 +146,16 @@ def cloudformation_updates_the_endpoint(aws: dict[str, Any], config: str) -> dic
     raise AssertionError("the update never ended")
 
 
-def run_check(aws: dict[str, Any], *, alarms_clear_after: int) -> str:
+def run_check(aws: dict[str, Any], *, alarms_clear_after: int, old: dict[str, Any] | None = None) -> str:
     """The check's onEvent, then isComplete every minute (the provider's poll) until it fails; the
-    alarms leave ALARM `alarms_clear_after` polls after the endpoint was parked."""
+    alarms leave ALARM `alarms_clear_after` polls after the endpoint was parked. `old`: more of the
+    previous deploy's properties (its synthesized `EndpointConfig`)."""
     update = {
         "RequestType": "Update",
         "StackId": STACK_ID,
         "RequestId": "r-1",
         "ResourceProperties": PROPS,
-        "OldResourceProperties": {**PROPS, "EndpointConfigName": PREVIOUS},
+        "OldResourceProperties": {**PROPS, "EndpointConfigName": PREVIOUS, **(old or {})},
         "PhysicalResourceId": f"post-deploy-check:{ENDPOINT}",
     }
     clients = {k: v for k, v in aws.items() if k != "simulator"}
@@ -253,3 +254,49 @@ def test_a_refused_parking_fails_at_once_with_both_reasons(aws, monkeypatch):
     message = run_check(aws, alarms_clear_after=1)
     assert "smoke calls on decider-cpu failed" in message and "parking decider-cpu" in message
     assert "AccessDeniedException" in message and "Rollbacks that finish" in message
+
+
+class MotoJson:
+    """The signed-JSON SageMaker client, sending its body to moto through boto3 (the stand-in checks
+    only that the body is a valid CreateEndpointConfig)."""
+
+    def __init__(self, sagemaker: Any) -> None:
+        self.sagemaker = sagemaker
+        self.bodies: list[dict[str, Any]] = []
+
+    def call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert operation == "CreateEndpointConfig"
+        self.bodies.append(body)
+        return self.sagemaker.create_endpoint_config(**body)
+
+
+def test_parking_from_the_synthesized_previous_config_then_a_rollback_that_finishes(aws):
+    """The previous deploy's `EndpointConfig` property (as CloudFormation resolved it) is what the parked
+    copy repeats; CloudFormation's rollback then finishes as before."""
+    import json
+
+    synthesized = {
+        "ProductionVariants": [
+            {
+                "VariantName": "AllTraffic",
+                "ModelName": "model-previous",
+                "InstanceType": "ml.c5.9xlarge",
+                "InitialInstanceCount": 2,
+                "InitialVariantWeight": 1,
+                "ContainerStartupHealthCheckTimeoutInSeconds": 900,
+                "ModelDataDownloadTimeoutInSeconds": 900,
+            }
+        ]
+    }
+    aws["sagemaker-json"] = recorder = MotoJson(aws["sagemaker"])
+    aws["simulator"].during_update.append(lambda backend, name: set_alarms(aws, "ALARM"))
+    cloudformation_updates_the_endpoint(aws, NEW)  # SageMaker rolls the canary back on its own
+    aws["simulator"].during_update.clear()
+    message = run_check(aws, alarms_clear_after=2, old={"EndpointConfig": json.dumps(synthesized)})
+    assert "SageMaker rolled the update back" in message and "parked on" in message
+    [body] = recorder.bodies
+    assert {k: v for k, v in body.items() if k not in ("EndpointConfigName", "Tags")} == synthesized
+    parking = aws["simulator"].update_calls[-1]
+    assert parking["DeploymentConfig"]["BlueGreenUpdatePolicy"]["MaximumExecutionTimeoutInSeconds"] >= 600
+    described = cloudformation_updates_the_endpoint(aws, PREVIOUS)
+    assert (described["EndpointConfigName"], described["EndpointStatus"]) == (PREVIOUS, "InService")

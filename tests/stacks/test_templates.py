@@ -41,6 +41,7 @@ EXPECTED_RESOURCES = {
         "Custom::DeployedImage": 1,
         "Custom::PostDeployCheck": 1,
         "Custom::BakeLoad": 1,
+        "Custom::UpdateGuard": 1,
         "AWS::SSM::Parameter": 1,
         "AWS::IAM::Role": 1,
         "AWS::IAM::Policy": 1,

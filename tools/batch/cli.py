@@ -7,8 +7,9 @@
     decide-batch async  --variant cpu --input request.json --wait      # an invocation=async endpoint
 
 Each input line is one decision request (`/v1/systemone`; extra fields such as an `id` are kept by
-the join). `submit` starts a transform job from the variant's deployed Model (read from its
-endpoint) on the variant's instance type; `status` prints progress (input objects written);
+the join). `submit` starts a transform job from the variant's Batch Transform Model (the stack
+output `TransformModelName`; a Model loading its data through ModelDataSource is refused) on the
+variant's instance type; `status` prints progress (input objects written);
 `fetch` downloads the output and summarises it (answered, per-record errors by code, decisions per
 second). `local` runs the same contract against a local server or container with the stand-in of
 the service (`tools.batch.standin`). Deployed with `-c <variant>.batch_transform=true`, the stack's
@@ -38,12 +39,13 @@ from tools.batch.jobs import (
     DEFAULT_TIMEOUT_SECONDS,
     BatchError,
     JobSpec,
+    check_transformable,
     default_job_name,
     fetch,
-    model_of_endpoint,
     progress,
     summarize,
     transform_job_request,
+    transform_model_of_stack,
 )
 from tools.batch.standin import TransformFailedError, run_local_transform
 
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--input", required=True, help="s3:// prefix of JSON Lines objects")
     submit.add_argument("--output", required=True, help="s3:// prefix for the .out objects")
     submit.add_argument("--job-name", help="default decide-<variant>-<UTC time>")
+    submit.add_argument(
+        "--model", help="a Model on a ModelDataUrl .tar.gz (default: the stack's output TransformModelName)"
+    )
     submit.add_argument("--instance-type", help="default: the variant's instance_type")
     submit.add_argument("--instance-count", type=int, default=1)
     submit.add_argument(
@@ -116,7 +121,7 @@ def make_clients(region: str | None, profile: str | None) -> dict[str, Any]:
         raise BatchError("no AWS region: pass --region or set AWS_REGION")
     return {
         name: session.client(name, config=CLIENT_CONFIG)
-        for name in ("sagemaker", "s3", "sagemaker-runtime", "sts")
+        for name in ("sagemaker", "s3", "sagemaker-runtime", "sts", "cloudformation")
     }
 
 
@@ -155,7 +160,8 @@ def _summarise(
 
 def _submit(args: argparse.Namespace, clients: dict[str, Any], out: Callable[[str], None]) -> int:
     variant = load_config(context_with(args.context)).variant(args.variant)
-    model_name = model_of_endpoint(clients["sagemaker"], variant.endpoint_name)
+    model_name = args.model or transform_model_of_stack(clients["cloudformation"], args.variant)
+    check_transformable(clients["sagemaker"], model_name)
     spec = JobSpec(
         name=args.job_name or default_job_name(args.variant),
         model_name=model_name,

@@ -1,7 +1,12 @@
 """The Batch Transform job of `decide-batch`: its request, progress and the summary of its output.
 
-A job runs the stack's own Model (the one the variant's endpoint serves now), on the variant's
-instance type, over every object under an S3 prefix of JSON Lines (one decision request per line):
+A job runs the stack's Batch Transform Model (the output `TransformModelName` of a stack deployed with
+`-c <variant>.batch_transform=true`: the same image and settings as the endpoint's Model, the model from
+a `model.tar.gz` through ModelDataUrl), on the variant's instance type, over every object under an S3
+prefix of JSON Lines (one decision request per line). The endpoint's own Model loads the GGUF through
+ModelDataSource, and "Currently you cannot use ModelDataSource in conjunction with SageMaker batch
+transform" (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ContainerDefinition.html):
+such a model is refused before a job is started.
 
 - `SplitType=Line`, `BatchStrategy=MultiRecord`: as many whole lines per invocation as fit under
   `MaxPayloadInMB`, which the container chooses (`GET /execution-parameters`) unless given;
@@ -23,6 +28,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from botocore.exceptions import ClientError
+
+from stacks.config import TRANSFORM_MODEL_OUTPUT
+
 S3_URI_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<key>.*)$")
 JSONLINES = "application/jsonlines"
 DEFAULT_TIMEOUT_SECONDS = 3600
@@ -42,14 +51,38 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     return match["bucket"], match["key"]
 
 
-def model_of_endpoint(sagemaker: Any, endpoint_name: str) -> str:
-    """The Model the endpoint serves now (its config's first production variant)."""
+def stack_name(variant: str) -> str:
+    return "GpuStack" if variant == "gpu" else "CpuStack"
+
+
+def transform_model_of_stack(cloudformation: Any, variant: str) -> str:
+    """The Batch Transform Model the variant's stack outputs (`TransformModelName`)."""
+    name = stack_name(variant)
     try:
-        endpoint = sagemaker.describe_endpoint(EndpointName=endpoint_name)
-        config = sagemaker.describe_endpoint_config(EndpointConfigName=endpoint["EndpointConfigName"])
-    except sagemaker.exceptions.ClientError as exc:
-        raise BatchError(f"cannot read endpoint {endpoint_name}: {exc}") from None
-    return str(config["ProductionVariants"][0]["ModelName"])
+        stacks = cloudformation.describe_stacks(StackName=name)["Stacks"]
+    except ClientError as exc:
+        raise BatchError(f"cannot read stack {name}: {exc}") from None
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in (stacks[0].get("Outputs") or []) if stacks}
+    if TRANSFORM_MODEL_OUTPUT not in outputs:
+        raise BatchError(
+            f"{name} has no {TRANSFORM_MODEL_OUTPUT} output: deploy it with "
+            f"-c {variant}.batch_transform=true (a Model on a model.tar.gz that Batch Transform can run)"
+        )
+    return outputs[TRANSFORM_MODEL_OUTPUT]
+
+
+def check_transformable(sagemaker: Any, model_name: str) -> None:
+    """Refuse a Model that loads its data through ModelDataSource: every transform job of it fails."""
+    try:
+        model = sagemaker.describe_model(ModelName=model_name)
+    except ClientError as exc:
+        raise BatchError(f"cannot read model {model_name}: {exc}") from None
+    containers = [model.get("PrimaryContainer") or {}, *(model.get("Containers") or [])]
+    if any(container.get("ModelDataSource") for container in containers):
+        raise BatchError(
+            f"{model_name} loads its model through ModelDataSource, which Batch Transform cannot use; "
+            "use the stack's TransformModelName (deploy with -c <variant>.batch_transform=true)"
+        )
 
 
 def default_job_name(variant: str, now: dt.datetime | None = None) -> str:

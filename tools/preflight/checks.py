@@ -4,6 +4,7 @@
   against the blue/green peak: an update runs the old and the new fleet side by side, and the new one
   keeps the autoscaled size (RetainAllVariantProperties), so the peak is twice `max_capacity` (twice
   `initial_instance_count` without autoscaling), plus what other endpoints already run on that type.
+- SageMaker, with `batch_transform`: "<instance type> for transform job usage" (often 0 on new accounts).
 - CodeBuild: "Concurrently running builds for Linux/<size> environment" of the compute types the
   deploy-time builds use (0 on some new accounts: StartBuild then fails with AccountLimitExceededException).
 - CDK bootstrap: the CDKToolkit stack and its version parameter (the templates require version 6).
@@ -12,6 +13,9 @@
   group left by a manual test, `promote apply` or a deleted stack makes the stack's creation fail with
   "already exists").
 - A compute type CodeBuild does not offer in the region (no concurrent-builds quota for it) blocks.
+- An update SageMaker documents it refuses (an `invocation` flip under the same name, a new instance type
+  while the live variant is an autoscaling target) blocks, before CI builds anything; the stacks' update
+  guard refuses it again at deploy time.
 - A deploy that would start at a low instance count under load warns: the fleet cannot scale during
   the update, and the new fleet starts at the live count (RetainAllVariantProperties).
 
@@ -28,6 +32,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from stacks.config import AppConfig, VariantConfig
+from stacks.handlers import update_guard
 
 MIN_BOOTSTRAP_VERSION = 6  # the templates' CheckBootstrapVersion rule (tests/stacks checks it)
 BOOTSTRAP_PARAMETER = "/cdk-bootstrap/hnb659fds/version"
@@ -82,9 +87,8 @@ def quota_values(service_quotas: Any, service_code: str) -> dict[str, tuple[str,
 
 
 def peak_instances(variant: VariantConfig) -> int:
-    """Instances a blue/green update runs at once at most: the old fleet and a new one of its size."""
-    fleet = variant.max_capacity if variant.autoscaling else variant.initial_instance_count
-    return 2 * fleet
+    """Instances a blue/green update runs at once at most (VariantConfig.blue_green_peak)."""
+    return variant.blue_green_peak
 
 
 def other_usage(sagemaker: Any, own_endpoints: set[str]) -> dict[str, int]:
@@ -148,6 +152,42 @@ def sagemaker_quotas(service_quotas: Any, sagemaker: Any, target: Target) -> lis
                     "missing",
                     f"{value:g} < {total} ({what})",
                     _increase("sagemaker", code, total, target.region),
+                )
+            )
+    return findings
+
+
+TRANSFORM_INSTANCES = 1  # decide-batch submit's default --instance-count
+
+
+def transform_quotas(service_quotas: Any, target: Target) -> list[Finding]:
+    """For variants with batch_transform: "<instance type> for transform job usage" (0 on many new
+    accounts: CreateTransformJob then fails with ResourceLimitExceeded; SageMaker quotas,
+    https://docs.aws.amazon.com/general/latest/gr/sagemaker.html)."""
+    variants = [v for v in target.variants if v.batch_transform]
+    if not variants:
+        return []
+    try:
+        quotas = quota_values(service_quotas, "sagemaker")
+    except (ClientError, BotoCoreError) as error:
+        return [Finding("SageMaker transform job quotas", "unknown", f"could not read them: {_code(error)}")]
+    findings = []
+    for variant in variants:
+        name = f"{variant.instance_type} for transform job usage"
+        what = f"decide-batch submit --variant {variant.name} runs {TRANSFORM_INSTANCES} instance(s)"
+        if name not in quotas:
+            findings.append(Finding(name, "unknown", f"no such quota in this region ({what})"))
+            continue
+        code, value = quotas[name]
+        if value >= TRANSFORM_INSTANCES:
+            findings.append(Finding(name, "ok", f"{value:g} ({what})"))
+        else:
+            findings.append(
+                Finding(
+                    name,
+                    "missing",
+                    f"{value:g}: every transform job fails with ResourceLimitExceeded ({what})",
+                    _increase("sagemaker", code, TRANSFORM_INSTANCES, target.region),
                 )
             )
     return findings
@@ -349,26 +389,111 @@ def run_all(clients: dict[str, Any], target: Target) -> list[Finding]:
         *bootstrap(clients["ssm"], clients["cloudformation"], target),
         *sagemaker_quotas(clients["service-quotas"], clients["sagemaker"], target),
         *codebuild_quotas(clients["service-quotas"], target),
+        *transform_quotas(clients["service-quotas"], target),
         *leftovers(clients["s3"], clients["sagemaker"], clients["cloudformation"], target),
         *log_groups(clients["logs"], clients["cloudformation"], target),
-        *frozen_scaling(clients["sagemaker"], clients["cloudwatch"], target),
+        *frozen_scaling(
+            clients["sagemaker"],
+            clients["cloudwatch"],
+            target,
+            autoscaling=clients["application-autoscaling"],
+        ),
     ]
 
 
 LOAD_WINDOW = timedelta(minutes=15)
-LOW_COUNT_LOAD = 0.5  # of target_invocations_per_instance: "under load"
+LOW_COUNT_LOAD = 0.5  # of the scaling target (concurrency or invocations per instance): "under load"
+
+
+def _load_per_instance(
+    cloudwatch: Any, variant: VariantConfig, count: int, now: datetime
+) -> tuple[float, float, str]:
+    """(load per instance over the last 15 minutes, the scaling target, what they count), on the
+    metric the variant's target tracking follows: ConcurrentRequestsPerModel ("the number of
+    concurrent requests being received by a model container", one per instance) under concurrency
+    scaling, InvocationsPerInstance's source (Invocations / instances, a minute) otherwise
+    (https://docs.aws.amazon.com/sagemaker/latest/dg/endpoint-auto-scaling-add-code-define.html)."""
+    concurrency = variant.scaling_metric == "concurrency"
+    points = cloudwatch.get_metric_statistics(
+        Namespace="AWS/SageMaker",
+        MetricName="ConcurrentRequestsPerModel" if concurrency else "Invocations",
+        Dimensions=[
+            {"Name": "EndpointName", "Value": variant.endpoint_name},
+            {"Name": "VariantName", "Value": "AllTraffic"},
+        ],
+        StartTime=now - LOAD_WINDOW,
+        EndTime=now,
+        Period=60,
+        Statistics=["Average" if concurrency else "Sum"],
+    ).get("Datapoints", [])
+    if concurrency:
+        average = sum(p["Average"] for p in points) / len(points) if points else 0.0
+        return average, variant.target_concurrency_per_instance, "concurrent requests per instance"
+    per_minute = sum(p["Sum"] for p in points) / (LOAD_WINDOW.total_seconds() / 60)
+    return (
+        per_minute / max(count, 1),
+        float(variant.target_invocations_per_instance),
+        "invocations a minute each",
+    )
+
+
+def live_state(
+    sagemaker: Any, autoscaling: Any, endpoint: dict[str, Any], variant: VariantConfig
+) -> dict[str, Any]:
+    """What the live endpoint is, in the shape of Custom::UpdateGuard's properties (its last deploy)."""
+    config = sagemaker.describe_endpoint_config(EndpointConfigName=endpoint["EndpointConfigName"])
+    production = (config.get("ProductionVariants") or [{}])[0]
+    pools = sorted(production.get("InstancePools") or [], key=lambda pool: pool.get("Priority", 0))
+    types = [pool["InstanceType"] for pool in pools] or [production.get("InstanceType")]
+    targets = autoscaling.describe_scalable_targets(
+        ServiceNamespace="sagemaker",
+        ResourceIds=[f"endpoint/{variant.endpoint_name}/variant/AllTraffic"],
+        ScalableDimension="sagemaker:variant:DesiredInstanceCount",
+    ).get("ScalableTargets", [])
+    return {
+        "EndpointName": variant.endpoint_name,
+        "Variant": variant.name,
+        "Invocation": "async" if config.get("AsyncInferenceConfig") else "realtime",
+        "InstanceTypes": [t for t in types if t],
+        "Autoscaling": "true" if targets else "false",
+    }
+
+
+def update_rules(
+    sagemaker: Any, autoscaling: Any, endpoint: dict[str, Any], variant: VariantConfig
+) -> Finding:
+    """The refusals SageMaker documents for an update from the live endpoint to this config (the rules
+    of stacks/handlers/update_guard.py, which also checks them at deploy time), before CI builds."""
+    label = f"update of {variant.endpoint_name}"
+    try:
+        old = live_state(sagemaker, autoscaling, endpoint, variant)
+    except (ClientError, BotoCoreError) as error:
+        return Finding(label, "unknown", f"could not read the live config: {_code(error)}")
+    new = {**old, "Invocation": variant.invocation, "InstanceTypes": variant.instance_types}
+    problems = update_guard.update_refusals(old, new)
+    if problems:
+        return Finding(label, "missing", "; ".join(problems), "see the detail: deploy in the steps it names")
+    return Finding(
+        label, "ok", f"{old['Invocation']}, {', '.join(old['InstanceTypes'])}: an update SageMaker accepts"
+    )
 
 
 def frozen_scaling(
-    sagemaker: Any, cloudwatch: Any, target: Target, now: datetime | None = None
+    sagemaker: Any,
+    cloudwatch: Any,
+    target: Target,
+    now: datetime | None = None,
+    autoscaling: Any | None = None,
 ) -> list[Finding]:
-    """Warn when an existing endpoint runs below max_capacity while its invocations per instance over
-    the last 15 minutes reach half the target: an update runs for the whole canary, linear and
-    termination bake (and its fleet keeps the live count), during which autoscaling does not scale."""
+    """For each existing endpoint: with `autoscaling` (an application-autoscaling client), the
+    documented update refusals (`update_rules`); then warn when it runs below max_capacity while its
+    load per instance over the last 15 minutes reaches half its scaling target (on the metric the
+    target tracking follows): an update runs for the whole canary, linear and termination bake (and
+    its fleet keeps the live count), during which autoscaling does not scale."""
     now = now or datetime.now(UTC)
     findings = []
     for variant in target.variants:
-        if not variant.autoscaling:
+        if not variant.autoscaling and autoscaling is None:
             continue
         label = f"instances of {variant.endpoint_name} before the update"
         try:
@@ -378,34 +503,22 @@ def frozen_scaling(
                 continue
             findings.append(Finding(label, "unknown", f"could not read it: {_code(error)}"))
             continue
+        if autoscaling is not None:
+            findings.append(update_rules(sagemaker, autoscaling, endpoint, variant))
+        if not variant.autoscaling:
+            continue
         try:
             count = sum(int(v.get("CurrentInstanceCount", 0)) for v in endpoint.get("ProductionVariants", []))
-            points = cloudwatch.get_metric_statistics(
-                Namespace="AWS/SageMaker",
-                MetricName="Invocations",
-                Dimensions=[
-                    {"Name": "EndpointName", "Value": variant.endpoint_name},
-                    {"Name": "VariantName", "Value": "AllTraffic"},
-                ],
-                StartTime=now - LOAD_WINDOW,
-                EndTime=now,
-                Period=60,
-                Statistics=["Sum"],
-            ).get("Datapoints", [])
+            load, goal, unit = _load_per_instance(cloudwatch, variant, count, now)
         except (ClientError, BotoCoreError) as error:
             findings.append(Finding(label, "unknown", f"could not read the load: {_code(error)}"))
             continue
-        per_minute = sum(p["Sum"] for p in points) / (LOAD_WINDOW.total_seconds() / 60)
-        per_instance = per_minute / max(count, 1)
         bake = variant.deployment.wait_interval_s + variant.deployment.termination_wait_s
         what = (
-            f"{count} of at most {variant.max_capacity} instances, {per_instance:.1f} invocations a minute "
-            f"each over the last 15 min (target {variant.target_invocations_per_instance})"
+            f"{count} of at most {variant.max_capacity} instances, {load:.1f} {unit} over the last 15 min "
+            f"(target {goal:g})"
         )
-        if (
-            count < variant.max_capacity
-            and per_instance >= LOW_COUNT_LOAD * variant.target_invocations_per_instance
-        ):
+        if count < variant.max_capacity and load >= LOW_COUNT_LOAD * goal:
             findings.append(
                 Finding(
                     label,

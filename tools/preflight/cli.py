@@ -30,7 +30,17 @@ from tools.preflight import checks
 
 EXIT_OK, EXIT_MISSING, EXIT_USAGE = 0, 1, 2
 CLIENT_CONFIG = Config(retries={"mode": "adaptive", "max_attempts": 8}, user_agent_extra="preflight/0.1")
-SERVICES = ("service-quotas", "sagemaker", "ssm", "cloudformation", "s3", "sts", "logs", "cloudwatch")
+SERVICES = (
+    "service-quotas",
+    "sagemaker",
+    "ssm",
+    "cloudformation",
+    "s3",
+    "sts",
+    "logs",
+    "cloudwatch",
+    "application-autoscaling",
+)
 STYLE = {
     "ok": "[green]ok[/]",
     "missing": "[bold red]MISSING[/]",

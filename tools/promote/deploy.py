@@ -106,7 +106,14 @@ def ensure_resources(sagemaker: Any, promotion: Promotion) -> list[str]:
 def start_update(
     sagemaker: Any, endpoint: str, config_name: str, deploy_config: dict[str, Any] | None
 ) -> None:
-    kwargs: dict[str, Any] = {"EndpointName": endpoint, "EndpointConfigName": config_name}
+    """UpdateEndpoint keeping the live variant properties (RetainAllVariantProperties): without it
+    an autoscaled fleet is reset to the new config's InitialInstanceCount ("If false, uses the new
+    EndpointConfig's values", https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_UpdateEndpoint.html)."""
+    kwargs: dict[str, Any] = {
+        "EndpointName": endpoint,
+        "EndpointConfigName": config_name,
+        "RetainAllVariantProperties": True,
+    }
     if deploy_config is not None:
         kwargs["DeploymentConfig"] = deploy_config
     sagemaker.update_endpoint(**kwargs)

@@ -1,0 +1,120 @@
+"""Checks before the Endpoint is touched: an update SageMaker documents as refused fails here first.
+
+`Custom::UpdateGuard` sits between the endpoint config and the Endpoint (the Endpoint depends on it),
+and its properties name the new config, so every endpoint update runs it. When it fails, CloudFormation
+rolls the stack back before UpdateEndpoint was ever called: the Endpoint has nothing to undo, and no
+rollback meets an endpoint that is mid-update or that already runs the config it returns to.
+
+- `invocation` flips under one endpoint name: "The AsyncInferenceConfig parameter cannot be removed
+  from this endpoint" (UpdateEndpoint refuses a change between a real-time and an async config;
+  https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_UpdateEndpoint.html).
+- A new instance type while the variant is registered with Application Auto Scaling: "If the update
+  would change the instance type for any model that is a target for auto scaling, the update fails"
+  (https://docs.aws.amazon.com/sagemaker/latest/dg/endpoint-scaling-update.html). The scalable target is
+  only deregistered in the cleanup after the update, so `autoscaling=false` must be its own deploy.
+- The blue/green peak against the account's "<instance type> for endpoint usage" quota (Service
+  Quotas, https://docs.aws.amazon.com/general/latest/gr/sagemaker.html): an update runs the old fleet
+  and a new one of its size side by side. A quota that cannot be read is logged, not counted.
+
+While the stack rolls back (CloudFormation sends the old properties as an Update) nothing is checked:
+refusing the way back would leave the stack in UPDATE_ROLLBACK_FAILED.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+try:  # package import (tools, tests)
+    from . import post_deploy_check
+except ImportError:  # the Lambda asset's root
+    import post_deploy_check  # type: ignore[no-redef]
+
+LOG = logging.getLogger(__name__)
+
+
+class UpdateRefusedError(RuntimeError):
+    """SageMaker would refuse this update (or the account cannot run it); the message says what to do."""
+
+
+def endpoint_quota_name(instance_type: str) -> str:
+    return f"{instance_type} for endpoint usage"
+
+
+def update_refusals(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What SageMaker documents it refuses in the change from `old` to `new` properties."""
+    if not old or old.get("EndpointName") != new.get("EndpointName"):
+        return []  # a new endpoint name: a new endpoint, nothing to update
+    name, variant = new["EndpointName"], new.get("Variant", "<variant>")
+    problems = []
+    before, after = old.get("Invocation", "realtime"), new.get("Invocation", "realtime")
+    if before != after:
+        problems.append(
+            f"{name}: invocation {before} -> {after} under the same endpoint name. UpdateEndpoint refuses "
+            "to drop AsyncInferenceConfig ('The AsyncInferenceConfig parameter cannot be removed from this "
+            "endpoint'), and adding one to a real-time endpoint is documented nowhere. Deploy it under a "
+            f"new name: -c {variant}.invocation={after} -c {variant}.endpoint_name=<new name>"
+        )
+    old_types, new_types = list(old.get("InstanceTypes") or []), list(new.get("InstanceTypes") or [])
+    if str(old.get("Autoscaling")).lower() == "true" and old_types != new_types:
+        problems.append(
+            f"{name}: instance types {', '.join(old_types)} -> {', '.join(new_types)} while the variant is "
+            "an Application Auto Scaling target, which SageMaker refuses. Deploy -c "
+            f"{variant}.autoscaling=false alone first (it deregisters the target), then the new instance "
+            f"type, then -c {variant}.autoscaling=true"
+        )
+    return problems
+
+
+def quota_values(service_quotas: Any) -> dict[str, float]:
+    """SageMaker's quotas by name: the applied values, the defaults where none is applied."""
+    values: dict[str, float] = {}
+    for operation in ("list_aws_default_service_quotas", "list_service_quotas"):  # applied ones win
+        for page in service_quotas.get_paginator(operation).paginate(ServiceCode="sagemaker"):
+            for quota in page.get("Quotas", []):
+                values[quota["QuotaName"]] = float(quota["Value"])
+    return values
+
+
+def quota_shortfalls(service_quotas: Any, props: dict[str, Any], request: str) -> list[str]:
+    """Instance types whose endpoint quota is below what this request runs at its peak."""
+    key = "PeakInstances" if request == "Update" else "InitialInstances"
+    needed = int(props.get(key) or 0)
+    try:
+        quotas = quota_values(service_quotas)
+    except (ClientError, BotoCoreError) as error:
+        LOG.warning("cannot read the SageMaker quotas (%s): not checked; run `preflight`", error)
+        return []
+    problems = []
+    for instance_type in props.get("InstanceTypes") or []:
+        name = endpoint_quota_name(instance_type)
+        if name not in quotas:
+            LOG.warning("no quota %r in this region: not checked", name)
+            continue
+        if quotas[name] < needed:
+            what = "at the blue/green peak (old and new fleet)" if request == "Update" else "to start"
+            problems.append(
+                f"{props['EndpointName']}: quota '{name}' is {quotas[name]:g}, but the endpoint runs "
+                f"{needed} instances {what}. Request more (aws service-quotas request-service-quota-increase "
+                f"--service-code sagemaker ...; `preflight` prints the command), then deploy again"
+            )
+    return problems
+
+
+def start(clients: Any, event: dict[str, Any]) -> dict[str, Any]:
+    """onEvent: raise UpdateRefusedError with every problem, or note what was checked."""
+    props = event["ResourceProperties"]
+    request = event["RequestType"]
+    if request == "Update" and post_deploy_check.rolling_back(clients["cloudformation"], event["StackId"]):
+        return {"Result": "skipped (rollback)"}
+    problems = []
+    if request == "Update":
+        problems += update_refusals(event.get("OldResourceProperties") or {}, props)
+    problems += quota_shortfalls(clients["service-quotas"], props, request)
+    if problems:
+        raise UpdateRefusedError(
+            "refused before the endpoint was touched (nothing to roll back): " + " | ".join(problems)
+        )
+    return {"Result": f"{props['EndpointName']}: update accepted by the documented rules"}

@@ -1,0 +1,1 @@
+"""The game day: scenarios the AWS documentation leaves open, run in a scratch account (never in tests)."""

@@ -1,0 +1,5 @@
+import sys
+
+from tools.gameday.cli import main
+
+sys.exit(main())
