@@ -23,6 +23,10 @@ all cores), side by side on the same requests:
    / the mean of the two decision-route wall times (above 1: we are faster; a drift of the machine's
    speed cancels out); `argmax_agree` = the share of questions where both pick the same option;
    `text_prompt_tokens` / `decision_tokens` = the tokens each evaluated.
+5. Mixed traffic. `--mixed-requests` of the sweep's requests (default 8), one at a time, alone and
+   then again while `--mixed-chats` clients (default 4) keep streaming chats with the default
+   max_tokens beside them; `decision_p50_ratio` / `decision_p95_ratio` = beside / alone (1.0: the
+   chats cost the decisions nothing), and how the chats ended (`cut`: closed at the level's end).
 
 The last lines are machine-readable (times in seconds; ratios against the 1-client run):
     http_vs_engine=… ping_p99=…
@@ -31,6 +35,8 @@ The last lines are machine-readable (times in seconds; ratios against the 1-clie
     (one line per concurrency)
     text_route=llama-server concurrency=1 decision_vs_text=… argmax_agree=… text_errors=…
       text_prompt_tokens=… decision_tokens=…   (1 and 4 clients)
+    mixed_chats=4 decision_p50_ratio=… decision_p95_ratio=… p50_alone=… p50_beside=… p95_alone=…
+      p95_beside=… decision_errors=… chat_ends=…
 
 JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../shared; not copied).
 """
@@ -38,6 +44,8 @@ JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../share
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import queue
 import statistics
@@ -462,6 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ping-interval", type=float, default=0.1)
     parser.add_argument(
+        "--mixed-chats",
+        default="4",
+        help="chats generating beside the mixed level's decisions, comma-separated (default 4; 0: skip)",
+    )
+    parser.add_argument(
+        "--mixed-requests", type=int, default=8, help="decisions of the mixed level, alone and beside chats"
+    )
+    parser.add_argument(
         "--llama-server",
         type=Path,
         default=None,
@@ -513,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         console.print("[dim]batch route…[/]")
         batch = measure_batch(server.base_url, same_questions_group(cases, args.batch_states))
+        mixed = [
+            measure_mixed(server.base_url, spread(bodies, args.mixed_requests), chats)
+            for chats in (int(n) for n in args.mixed_chats.split(",") if n.strip())
+            if chats > 0
+        ]
         comparisons = compare_text_route(
             console,
             server.base_url,
@@ -560,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         print(concurrency_line(level, serial, serial_answers))
     for comparison in comparisons:
         print(text_route_line(comparison))
+    for result in mixed:
+        print(result.line())
+    failed = failed or any(result.beside.errors or result.alone.errors for result in mixed)
     return 1 if failed or ping_failures else 0
 
 
@@ -631,6 +655,103 @@ def text_route_line(comparison: TextComparison) -> str:
             ("decision_tokens", f"{tokens:.0f}"),
         )
     )
+
+
+# --- mixed level: decisions with chats running beside them --------------------------------------------
+MIXED_CHAT_PROMPT = "Write a long story about a lighthouse keeper and the ships she saw."
+
+
+@dataclass
+class MixedResult:
+    """The same decisions one at a time, alone and with `chats` chats generating beside them."""
+
+    chats: int
+    alone: Level
+    beside: Level
+    chat_ends: dict[str, int] = field(default_factory=dict)  # finish reason or error code -> chats
+
+    def line(self) -> str:
+        p50 = (percentile(self.alone.latencies, 50), percentile(self.beside.latencies, 50))
+        p95 = (percentile(self.alone.latencies, 95), percentile(self.beside.latencies, 95))
+        return key_values(
+            (
+                ("mixed_chats", str(self.chats)),
+                ("decision_p50_ratio", ratio(p50[1], p50[0])),
+                ("decision_p95_ratio", ratio(p95[1], p95[0])),
+                ("p50_alone", p50[0]),
+                ("p50_beside", p50[1]),
+                ("p95_alone", p95[0]),
+                ("p95_beside", p95[1]),
+                ("decision_errors", str(self.beside.errors)),
+                ("chat_ends", ",".join(f"{k}:{v}" for k, v in sorted(self.chat_ends.items())) or "none"),
+            ),
+            digits=3,
+        )
+
+
+def _chat_until(base_url: str, seed: int, stop: threading.Event, generating: threading.Barrier) -> list[str]:
+    """Stream chats (default max_tokens) one after another until `stop`; each one's end: its
+    finish_reason, `cut` when `stop` closed it, or its error code. Waits at `generating` once its
+    first chat has a token (or has failed)."""
+    body = {"messages": [{"role": "user", "content": MIXED_CHAT_PROMPT}], "temperature": 1.0, "stream": True}
+    ends: list[str] = []
+    waited = threading.Event()
+
+    def ready() -> None:
+        if not waited.is_set():
+            waited.set()
+            with contextlib.suppress(threading.BrokenBarrierError):
+                generating.wait(120)
+
+    with httpx.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client:
+        while not stop.is_set():
+            end = "cut"
+            with client.stream("POST", "/v1/chat/completions", json={**body, "seed": seed}) as response:
+                if response.status_code != 200:
+                    response.read()
+                    end = f"{response.status_code} {error_code(response)}"
+                    ready()
+                for line in response.iter_lines() if response.status_code == 200 else ():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    if "error" in chunk:
+                        end = str(chunk["error"].get("code"))
+                    elif chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
+                        end = chunk["choices"][0]["finish_reason"]
+                    elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                        ready()
+                    if stop.is_set():
+                        break
+            ends.append(end)
+            seed += 1000
+    return ends
+
+
+def measure_mixed(base_url: str, bodies: list[dict[str, Any]], chats: int) -> MixedResult:
+    """`bodies` one at a time alone, then again while `chats` clients keep chats generating."""
+    alone = measured_level(base_url, "/invocations", bodies, 1, None)
+    stop = threading.Event()
+    generating = threading.Barrier(chats + 1)
+    threads: list[tuple[threading.Thread, list[list[str]]]] = []
+    for seed in range(chats):
+        out: list[list[str]] = []
+        thread = threading.Thread(
+            target=lambda seed=seed, out=out: out.append(_chat_until(base_url, seed, stop, generating)),
+            daemon=True,
+        )
+        thread.start()
+        threads.append((thread, out))
+    with contextlib.suppress(threading.BrokenBarrierError):
+        generating.wait(120)  # every chat is generating
+    beside = measured_level(base_url, "/invocations", bodies, 1, None)
+    stop.set()
+    ends: dict[str, int] = {}
+    for thread, out in threads:
+        thread.join(CLIENT_TIMEOUT_SECONDS)
+        for end in out[0] if out else ["client_hung"]:
+            ends[end] = ends.get(end, 0) + 1
+    return MixedResult(chats, alone, beside, ends)
 
 
 if __name__ == "__main__":
