@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="a smoke run: 8 requests, 2 overhead cases, 3 states"
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="DECIDER_N_THREADS for both (default: all cores)"
+        "--threads", type=int, default=None, help="DECIDER_N_THREADS for both (default: physical cores)"
     )
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the bundled SmolLM2)")
     parser.add_argument(
