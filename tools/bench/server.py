@@ -27,6 +27,10 @@ all cores), side by side on the same requests:
    then again while `--mixed-chats` clients (default 4) keep streaming chats with the default
    max_tokens beside them; `decision_p50_ratio` / `decision_p95_ratio` = beside / alone (1.0: the
    chats cost the decisions nothing), and how the chats ended (`cut`: closed at the level's end).
+6. Multi-turn chat. One conversation of `--turns` turns (default 5, greedy, 64 tokens per answer),
+   each carrying the earlier turns: time to first token of the last turn over the first
+   (`ttft_last_over_first`; the target is at most 1.5 at turn 5, with the previous turn's tokens
+   reused).
 
 The last lines are machine-readable (times in seconds; ratios against the 1-client run):
     http_vs_engine=… ping_p99=…
@@ -37,6 +41,8 @@ The last lines are machine-readable (times in seconds; ratios against the 1-clie
       text_prompt_tokens=… decision_tokens=…   (1 and 4 clients)
     mixed_chats=4 decision_p50_ratio=… decision_p95_ratio=… p50_alone=… p50_beside=… p95_alone=…
       p95_beside=… decision_errors=… chat_ends=…
+    multi_turn=5 ttft_first=… ttft_last=… ttft_last_over_first=… prompt_tokens_first=… prompt_tokens_last=…
+      turn_ends=…
 
 JevBench data: Apache-2.0, Copyright 2026 Chen Feng (read in place from ../shared; not copied).
 """
@@ -475,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         help="chats generating beside the mixed level's decisions, comma-separated (default 4; 0: skip)",
     )
     parser.add_argument(
+        "--turns", type=int, default=5, help="turns of the multi-turn chat line (default 5; 0: skip)"
+    )
+    parser.add_argument(
         "--mixed-requests", type=int, default=8, help="decisions of the mixed level, alone and beside chats"
     )
     parser.add_argument(
@@ -529,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         console.print("[dim]batch route…[/]")
         batch = measure_batch(server.base_url, same_questions_group(cases, args.batch_states))
+        multi_turn = measure_multi_turn(server.base_url, args.turns) if args.turns > 1 else []
         mixed = [
             measure_mixed(server.base_url, spread(bodies, args.mixed_requests), chats)
             for chats in (int(n) for n in args.mixed_chats.split(",") if n.strip())
@@ -583,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text_route_line(comparison))
     for result in mixed:
         print(result.line())
+    if multi_turn:
+        print(multi_turn_line(multi_turn))
     failed = failed or any(result.beside.errors or result.alone.errors for result in mixed)
     return 1 if failed or ping_failures else 0
 
@@ -752,6 +764,88 @@ def measure_mixed(base_url: str, bodies: list[dict[str, Any]], chats: int) -> Mi
         for end in out[0] if out else ["client_hung"]:
             ends[end] = ends.get(end, 0) + 1
     return MixedResult(chats, alone, beside, ends)
+
+
+# --- multi-turn chat: time to first token as a conversation grows ---------------------------------------
+MULTI_TURN_QUESTIONS = (
+    "Tell me about lighthouses.",
+    "Who kept them lit?",
+    "What did they eat?",
+    "How did they spend the winter?",
+    "Which one is the most famous?",
+    "Why was it built there?",
+)
+
+
+@dataclass
+class Turn:
+    first_token_seconds: float
+    prompt_tokens: int
+    status: str  # a finish_reason, or an error
+
+
+def _stream_turn(client: httpx.Client, messages: list[dict[str, str]], max_tokens: int) -> tuple[Turn, str]:
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first, text, status, prompt_tokens = math.nan, [], "no_end", 0
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            return Turn(math.nan, 0, f"{response.status_code} {error_code(response)}"), ""
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                status = str(chunk["error"].get("code"))
+            for choice in chunk.get("choices") or ():
+                if choice.get("delta", {}).get("content"):
+                    if math.isnan(first):
+                        first = time.perf_counter() - started
+                    text.append(choice["delta"]["content"])
+                if choice.get("finish_reason"):
+                    status = choice["finish_reason"]
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+    return Turn(first, prompt_tokens, status), "".join(text)
+
+
+def measure_multi_turn(base_url: str, turns: int = 5, max_tokens: int = 64) -> list[Turn]:
+    """One conversation of `turns` turns (greedy, `max_tokens` per answer), each turn carrying the
+    earlier questions and answers: its time to first token, one client, nothing beside it."""
+    messages: list[dict[str, str]] = []
+    out: list[Turn] = []
+    with httpx.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client:
+        for index in range(turns):
+            messages.append(
+                {"role": "user", "content": MULTI_TURN_QUESTIONS[index % len(MULTI_TURN_QUESTIONS)]}
+            )
+            turn, answer = _stream_turn(client, messages, max_tokens)
+            out.append(turn)
+            messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def multi_turn_line(turns: list[Turn]) -> str:
+    first, last = turns[0], turns[-1]
+    return key_values(
+        (
+            ("multi_turn", str(len(turns))),
+            ("ttft_first", first.first_token_seconds),
+            ("ttft_last", last.first_token_seconds),
+            ("ttft_last_over_first", ratio(last.first_token_seconds, first.first_token_seconds)),
+            ("prompt_tokens_first", str(first.prompt_tokens)),
+            ("prompt_tokens_last", str(last.prompt_tokens)),
+            ("turn_ends", ",".join(turn.status for turn in turns)),
+        ),
+        digits=3,
+    )
 
 
 if __name__ == "__main__":
