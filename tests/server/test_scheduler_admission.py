@@ -83,6 +83,10 @@ def test_a_chat_counts_at_the_length_chats_have_been_generating() -> None:
     assert lengths.expected_total(30) == 30  # never beyond its max_tokens
     assert lengths.expected_total(1024, produced=100) == 200  # the mean of the longer ones
     assert lengths.expected_total(1024, produced=300) == 600  # longer than all: as long again
+    for _ in range(20):  # chats cut off at max_tokens 1 (one label read the text-route way)
+        lengths.record(1, stopped=False)
+    assert lengths.expected_total(1024) == 88  # say nothing of how long a longer one runs
+    assert lengths.expected_total(1) == 1
 
 
 def test_the_work_ahead_counts_a_running_chat_at_the_measured_length() -> None:

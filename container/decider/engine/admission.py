@@ -37,24 +37,28 @@ class Ahead:
 
 
 class ChatLengths:
-    """Generated tokens of the chats that finished recently (stopped, or at their max_tokens)."""
+    """Generated tokens of the chats that finished recently: stopped by the model, or cut off at
+    their max_tokens (which says only that the chat would have run at least that long)."""
 
     def __init__(self, window: int = CHAT_LENGTH_WINDOW) -> None:
-        self._lengths: deque[int] = deque(maxlen=window)
+        self._ends: deque[tuple[int, bool]] = deque(maxlen=window)  # (generated, stopped by itself)
 
-    def record(self, generated: int) -> None:
-        self._lengths.append(max(0, generated))
+    def record(self, generated: int, *, stopped: bool = True) -> None:
+        self._ends.append((max(0, generated), stopped))
 
     def expected_total(self, max_tokens: int, produced: int = 0) -> int:
         """Tokens a chat that has produced `produced` so far is expected to generate in all.
 
-        The mean length of the recent chats that ran longer than `produced` (a chat that is still
-        going is one of those); a chat that has outlived them all is expected to run as long again.
-        Never more than `max_tokens`, never less than one more token."""
+        The mean length, at most `max_tokens`, of the recent chats that ran longer than `produced`
+        (a chat that is still going is one of those); a chat cut off at a max_tokens smaller than
+        this one's says nothing of how long it would have run, and is left out. A chat that has
+        outlived them all is expected to run as long again. Never more than `max_tokens`, never
+        less than one more token; `max_tokens` itself until three chats tell."""
         ceiling = max(max_tokens, produced)
-        if len(self._lengths) < MIN_CHAT_LENGTHS:
+        lengths = [min(n, ceiling) for n, stopped in self._ends if stopped or n >= ceiling]
+        if len(lengths) < MIN_CHAT_LENGTHS:
             return ceiling
-        longer = [length for length in self._lengths if length > produced]
+        longer = [length for length in lengths if length > produced]
         expected = sum(longer) / len(longer) if longer else 2 * produced
         return min(ceiling, max(produced + 1, math.ceil(expected)))
 

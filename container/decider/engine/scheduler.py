@@ -216,7 +216,7 @@ class Scheduler:
         self.costs = CostModel()  # seconds per decode, fitted to the decodes timed so far (under _cond)
         self.chat_lengths = ChatLengths()  # tokens the recent chats generated (under _cond)
         self._step_tokens = DEFAULT_STEP_TOKENS  # the backend's, once attached
-        self._in_flight: tuple[float, float] | None = None  # the decode running: (started, predicted s)
+        self._in_flight: tuple[float, Cost] | None = None  # the decode running: (started, its cost)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -335,8 +335,8 @@ class Scheduler:
         """What is left of the decode running now: a new request's rows go into the next one."""
         if self._in_flight is None:
             return 0.0
-        started, predicted = self._in_flight
-        return max(0.0, predicted - (now - started))
+        started, cost = self._in_flight
+        return max(0.0, (self.costs.predict(cost) or 0.0) - (now - started))
 
     def _finish_seconds_locked(self, new: Cost, ahead: list[Ahead], now: float) -> float:
         """Predicted seconds until `new` is done, run beside the work `ahead` (the model is ready)."""
@@ -349,14 +349,6 @@ class Scheduler:
             return 0.0
         seconds = self.costs.predict(finish_cost(None, ahead, self.costs, self._step_tokens)) or 0.0
         return seconds + self._in_flight_seconds_locked(now)
-
-    def seconds_until(self, cost: Cost) -> float | None:
-        """Predicted seconds until work of `cost`, admitted now, would be done (None: no model yet)."""
-        now = time.monotonic()
-        with self._cond:
-            if not self.costs.ready:
-                return None
-            return self._finish_seconds_locked(cost, self._ahead_locked(now), now)
 
     def _update_gauges_locked(self) -> None:
         started = sum(1 for r in self._works if r.started)
@@ -580,7 +572,7 @@ class Scheduler:
         cost = Cost(1, tokens, attended)
         started = time.monotonic()
         with self._cond:  # admission reads the model, and the decode in flight, on the event loop
-            self._in_flight = (started, self.costs.predict(cost) or 0.0)
+            self._in_flight = (started, cost)
         try:
             completed = self._decode_split(backend, step.rows, should_abort)
         finally:
@@ -665,9 +657,9 @@ class Scheduler:
             job = running.job
             with self._cond:
                 if running.work.kind == "chat":
-                    generated = running.work.natural_length  # type: ignore[attr-defined]
-                    if generated is not None:
-                        self.chat_lengths.record(generated)
+                    end = running.work.natural_end  # type: ignore[attr-defined]
+                    if end is not None:
+                        self.chat_lengths.record(end[0], stopped=end[1])
                 self._works.remove(running)
                 self._dead_removed += running.work.footprint().dead - running.dead_at_epoch_start
                 self._admitted.discard(job)

@@ -510,10 +510,11 @@ class ChatWork:
         return 1 if self._seq is not None and self._last is not None else 0
 
     @property
-    def natural_length(self) -> int | None:
-        """Tokens generated, once it ended by itself (a stop, or max_tokens); None otherwise."""
+    def natural_end(self) -> tuple[int, bool] | None:
+        """(tokens generated, whether the model stopped it) once it ended by itself (a stop, or its
+        max_tokens); None when it was cancelled, failed or cut for lack of cells."""
         if self._finish in ("stop", "length") and not self._cut:
-            return self._produced
+            return self._produced, self._finish == "stop"
         return None
 
     def cost_left(self, lengths: ChatLengths) -> list[Cost]:
