@@ -223,6 +223,38 @@ def test_a_chat_short_of_cells_pauses_while_a_decision_holds_them() -> None:
     scheduler.close()
 
 
+def test_chats_growing_into_freed_cells_never_starve_a_waiting_decision() -> None:
+    """Four chats that never stop fill most of 1,000 cells; a decision needing more than any one
+    chat holds arrives. Chats leave its cells free: the youngest stop with `length` at once and it
+    starts, rather than waiting while the chats refill every cell a stopped one gave back."""
+    probe = _work(FakeEngine(), {**DECISION, "state": "long " * 60})
+    need = probe.states[0].need
+    engine = FakeEngine(n_ctx=1000, decode_seconds=0.001, chat_tokens=100_000)
+    scheduler = _scheduler(engine)
+    chats = [scheduler.submit(_job(kind="chat"), _chat(990)) for _ in range(4)]
+    deadline = time.monotonic() + 10
+    while len(engine.calls) < 180 and time.monotonic() < deadline:  # ~180 tokens each: 270 free
+        time.sleep(0.001)
+    assert need > 1000 - 4 * (3 + 180) and need > 250, need  # waits, and more than one chat holds
+    work = _work(engine, {**DECISION, "state": "long " * 60})
+    started_at: list[int] = []
+    plan_step = work.plan_step
+
+    def recording(step: Any) -> None:
+        plan_step(step)
+        if work.started and not started_at:
+            started_at.append(len(engine.calls))
+
+    work.plan_step = recording  # type: ignore[method-assign]
+    submitted = len(engine.calls)
+    decision = scheduler.submit(_job(), work)
+    assert decision.result(10).answers
+    assert started_at[0] - submitted <= 5, (submitted, started_at)
+    ends = [chat.result(10) for chat in chats]
+    assert [finish for _, finish, _ in ends] == ["length"] * 4
+    scheduler.close()
+
+
 def test_a_batch_larger_than_one_memory_epoch_runs_its_states_in_several() -> None:
     engine = FakeEngine(n_ctx=2000, invariant=True)  # batch-invariant memory: cells freed between epochs
     scheduler = _scheduler(engine)

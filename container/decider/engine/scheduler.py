@@ -217,6 +217,7 @@ class Scheduler:
         self.chat_lengths = ChatLengths()  # tokens the recent chats generated (under _cond)
         self._step_tokens = DEFAULT_STEP_TOKENS  # the backend's, once attached
         self._in_flight: tuple[float, Cost] | None = None  # the decode running: (started, its cost)
+        self._cells_claimed = 0  # what the first unit waiting for cells needs (chats leave it free)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -503,12 +504,14 @@ class Scheduler:
         return backend.n_ctx - len(self._head) - backend.policy.reserved_cells - held
 
     def _make_room_for_chats(self, backend: Backend) -> None:
-        """Every generating chat takes one cell in each step. When the free cells are fewer: while a
-        decision holds cells, the chats without one pause (the decision ends, and its cells come
-        back); otherwise the youngest chats stop with finish_reason "length" until the rest fit."""
+        """Every generating chat takes one cell in each step, and leaves free the cells that the
+        first unit waiting for cells needs to start (first come, first served: chats growing into
+        freed cells must not starve it). When the free cells are fewer: while a decision holds
+        cells, the chats without one pause (the decision ends, and its cells come back); otherwise
+        the youngest chats stop with finish_reason "length" until the rest fit."""
         assert self._seqs is not None
         chats = [r for r in self._works if r.work.kind == "chat" and r.work.cells_wanted]  # type: ignore[attr-defined]
-        need, free = len(chats), self._free_cells(backend)
+        need, free = len(chats), self._free_cells(backend) - self._cells_claimed
         if need <= free:
             return
         if any(r.work.kind != "chat" and r.work.footprint().held for r in self._works):
@@ -521,7 +524,7 @@ class Scheduler:
                 "request %s: no memory cell for its next token; stopped (length)", running.job.request_id
             )
             need -= 1
-            free = self._free_cells(backend)
+            free = self._free_cells(backend) - self._cells_claimed
 
     def _plan(self, backend: Backend) -> Step:
         assert self._seqs is not None
@@ -533,6 +536,7 @@ class Scheduler:
             policy.step_tokens,
             self._free_cells(backend),
             running=[r.work for r in self._works],
+            growth_floor=self._cells_claimed,
         )
         step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()
@@ -557,6 +561,7 @@ class Scheduler:
             if len(step.rows) > before and running.job.started_at is None:
                 running.job.started_at = now
                 self._metrics.queue_wait.labels(running.job.kind).observe(now - running.job.admitted_at)
+        self._cells_claimed = step.waiting_for_cells
         with self._cond:
             self._update_gauges_locked()
         return step
