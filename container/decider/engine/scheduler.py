@@ -16,9 +16,10 @@ running work, up to `n_batch` tokens, the free sequences and the free memory cel
 of each chat first (a generation interleaves with decisions token by token), then the rows of the
 decisions and chat prefills in the order they were admitted. Each work keeps its own deadline,
 cancellation and errors: one bad work never fails its neighbours. A chat takes a memory cell per
-generated token as it goes; when a step has no free cell for every chat's next token, the chats
-pause while a decision holds cells (they come back when it ends), and otherwise the youngest chats
-stop with finish_reason "length" until the others fit (`_make_room_for_chats`).
+generated token as it goes, leaving free what the first unit waiting for cells needs; when a step
+has no free cell for every chat's next token beyond that, the chats pause while a decision holds
+cells (they come back when it ends), and otherwise the youngest chats stop with finish_reason
+"length" until the others fit (`_make_room_for_chats`).
 
 Deadlines are decided on the engine thread: work that completes after its deadline is a 504, work
 that completes before it is answered, whatever the event loop's timing. A step whose works have all
