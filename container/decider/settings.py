@@ -98,7 +98,9 @@ class Settings(BaseSettings):
         description="Sequences in the context, shared by all running requests: the prompt head, one per "
         "state being prefilled, one per question branch, one per chat (and the invariance pad).",
     )
-    n_threads: PositiveInt | None = Field(None, description="CPU threads; default: all cores.")
+    n_threads: PositiveInt | None = Field(
+        None, description="CPU threads; default: the physical cores this process may use (as llama.cpp)."
+    )
     n_gpu_layers: int = Field(0, ge=-1, description="Layers offloaded to the GPU; -1 or 999 = all.")
     batch_invariant: bool = Field(
         False,
@@ -239,7 +241,7 @@ class Settings(BaseSettings):
         return float(override if override is not None else self.temperature)
 
     def threads(self) -> int:
-        return self.n_threads or max(1, os.cpu_count() or 1)
+        return self.n_threads or physical_cores() or max(1, os.cpu_count() or 1)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> Settings:
@@ -304,3 +306,21 @@ class _ValuesOnly(Settings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings,)
+
+
+CPU_SYSFS = Path("/sys/devices/system/cpu")
+
+
+def physical_cores(sysfs: Path = CPU_SYSFS, allowed: set[int] | None = None) -> int | None:
+    """Cores this process may run on, each counted once however many hardware threads it has: the
+    distinct thread-sibling sets of the allowed CPUs, as llama.cpp counts them for llama-server's
+    default ("hyperthreading isn't useful for linear algebra"). None when sysfs does not say."""
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    siblings = set()
+    for cpu in allowed:
+        try:
+            siblings.add((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip())
+        except OSError:
+            return None
+    return len(siblings) or None

@@ -24,11 +24,14 @@ from tools.bench.common import (
 from tools.bench.engine import Timed, last_line, many_options_body, options_run, report
 from tools.bench.server import (
     Level,
+    MixedResult,
     Outcome,
+    Turn,
     concurrency_line,
     counter_delta,
     engine_counters,
     error_code,
+    multi_turn_line,
 )
 
 RESPONSE = {
@@ -276,3 +279,23 @@ def test_the_text_route_counts_the_prompt_tokens_llama_server_evaluated(monkeypa
     run = text_route.run_text_route("http://127.0.0.1:1", questions, clients=2)
     assert run.errors == 0 and run.prompt_tokens == 28
     assert set(run.answers.values()) == {0}
+
+
+def test_the_mixed_line_sets_decisions_beside_chats_against_decisions_alone():
+    alone = Level(1, [Outcome(i, seconds, 200) for i, seconds in enumerate([1.0, 1.0, 2.0])])
+    beside = Level(1, [Outcome(i, seconds, 200) for i, seconds in enumerate([1.5, 1.5, 4.0])])
+    beside.outcomes.append(Outcome(3, 9.0, "503 deadline_unreachable"))
+    line = MixedResult(4, alone, beside, {"cut": 4, "stop": 2}).line()
+    assert line == (
+        "mixed_chats=4 decision_p50_ratio=1.500 decision_p95_ratio=1.974 p50_alone=1.000 "
+        "p50_beside=1.500 p95_alone=1.900 p95_beside=3.750 "
+        "decision_errors={'503 deadline_unreachable': 1} chat_ends=cut:4,stop:2"
+    )
+
+
+def test_the_multi_turn_line_sets_the_last_turn_s_first_token_against_the_first():
+    turns = [Turn(0.5, 37, "length"), Turn(0.6, 120, "length"), Turn(0.75, 200, "stop")]
+    assert multi_turn_line(turns) == (
+        "multi_turn=3 ttft_first=0.500 ttft_last=0.750 ttft_last_over_first=1.500 "
+        "prompt_tokens_first=37 prompt_tokens_last=200 turn_ends=length,length,stop"
+    )

@@ -17,7 +17,7 @@ import pytest
 from decider.engine.labels import build_label_table
 from decider.engine.native import KvCacheFullError, NativeError, Row
 from decider.engine.scheduler import Job, Scheduler
-from decider.engine.work import ChatWork
+from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import (
     DeadlineExceededError,
     DeciderError,
@@ -163,6 +163,95 @@ def test_starts_are_first_come_first_served_so_a_large_request_is_not_overtaken(
         future.result(5)
     assert jobs[1].started_at is not None and jobs[2].started_at is not None
     assert jobs[1].started_at <= jobs[2].started_at
+    scheduler.close()
+
+
+def _chat(max_tokens: int) -> ChatWork:
+    return ChatWork(ChatPlan(prompt=[1, 2, 3], max_tokens=max_tokens))
+
+
+def test_chats_take_cells_as_they_generate_so_they_never_lock_decisions_out() -> None:
+    """Four chats allowed 900 tokens each in 2,000 cells: reserved up front, two would fill the
+    context and every later request would wait behind the third. They generate 50 tokens each."""
+    engine = FakeEngine(n_ctx=2000, decode_seconds=0.002, chat_tokens=50)
+    scheduler = _scheduler(engine)
+    chats = [scheduler.submit(_job(kind="chat"), _chat(900)) for _ in range(4)]
+    finished: list[float] = []
+    for chat in chats:
+        chat.add_done_callback(lambda _: finished.append(time.monotonic()))
+    decision_job = _job()
+    decision = scheduler.submit(decision_job, _work(engine))
+    assert decision.result(5).answers
+    assert all(chat.result(5)[1] == "stop" for chat in chats)
+    assert decision_job.started_at is not None and decision_job.started_at < min(finished)
+    scheduler.close()
+
+
+def test_when_cells_run_out_the_youngest_chat_stops_with_finish_reason_length() -> None:
+    """Three chats that never stop, 250 tokens allowed each, in 300 cells: each fits alone, not
+    together. The youngest stops first, then the next; the oldest reaches its max_tokens."""
+    engine = FakeEngine(n_ctx=300, chat_tokens=100_000)
+    scheduler = _scheduler(engine)
+    works = [_chat(250) for _ in range(3)]
+    futures = [scheduler.submit(_job(kind="chat"), work) for work in works]
+    outcomes = [future.result(10) for future in futures]
+    assert [finish for _, finish, _ in outcomes] == ["length"] * 3
+    # A chat that has produced n tokens holds its prompt and n - 1 of them: the youngest stops when
+    # three hold 3 + 97 cells each (all 300), the next when two hold 3 + 147 each.
+    assert [usage.completion_tokens for _, _, usage in outcomes] == [250, 148, 98]
+    scheduler.close()
+
+
+def test_a_chat_short_of_cells_pauses_while_a_decision_holds_them() -> None:
+    """A decision's cells come back when it ends: a chat with no cell for its next token waits for
+    them rather than stopping. Decodes of 4 tokens: the decision takes a step for every 3 of its
+    tokens, and the chat, allowed the whole context, runs out of cells before it ends."""
+    engine = FakeEngine(n_ctx=700, n_batch=4, chat_tokens=100_000)
+    scheduler = _scheduler(engine)
+    work = _work(engine, {**DECISION, "state": "long " * 40})
+    need = work.states[0].need
+    assert 700 - 3 - need < need / 3 - 20  # the chat's free cells run out while the decision runs
+    chat = scheduler.submit(_job(kind="chat"), _chat(700 - 3))
+    decision = scheduler.submit(_job(), work)
+    done: list[str] = []
+    decision.add_done_callback(lambda _: done.append("decision"))
+    chat.add_done_callback(lambda _: done.append("chat"))
+    assert decision.result(10).answers
+    _, finish, usage = chat.result(10)
+    assert finish == "length" and usage.completion_tokens == 700 - 3  # its max_tokens, not cut
+    assert done == ["decision", "chat"]
+    scheduler.close()
+
+
+def test_chats_growing_into_freed_cells_never_starve_a_waiting_decision() -> None:
+    """Four chats that never stop fill most of 1,000 cells; a decision needing more than any one
+    chat holds arrives. Chats leave its cells free: the youngest stop with `length` at once and it
+    starts, rather than waiting while the chats refill every cell a stopped one gave back."""
+    probe = _work(FakeEngine(), {**DECISION, "state": "long " * 60})
+    need = probe.states[0].need
+    engine = FakeEngine(n_ctx=1000, decode_seconds=0.001, chat_tokens=100_000)
+    scheduler = _scheduler(engine)
+    chats = [scheduler.submit(_job(kind="chat"), _chat(990)) for _ in range(4)]
+    deadline = time.monotonic() + 10
+    while len(engine.calls) < 180 and time.monotonic() < deadline:  # ~180 tokens each: 270 free
+        time.sleep(0.001)
+    assert need > 1000 - 4 * (3 + 180) and need > 250, need  # waits, and more than one chat holds
+    work = _work(engine, {**DECISION, "state": "long " * 60})
+    started_at: list[int] = []
+    plan_step = work.plan_step
+
+    def recording(step: Any) -> None:
+        plan_step(step)
+        if work.started and not started_at:
+            started_at.append(len(engine.calls))
+
+    work.plan_step = recording  # type: ignore[method-assign]
+    submitted = len(engine.calls)
+    decision = scheduler.submit(_job(), work)
+    assert decision.result(10).answers
+    assert started_at[0] - submitted <= 5, (submitted, started_at)
+    ends = [chat.result(10) for chat in chats]
+    assert [finish for _, finish, _ in ends] == ["length"] * 4
     scheduler.close()
 
 

@@ -11,12 +11,14 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
+from decider.engine.admission import ChatLengths
 from decider.engine.cost import Cost, CostModel, span_attended
 from decider.engine.scheduler import Job, Scheduler
 from decider.engine.steps import SeqPool, Step
 from decider.engine.work import ChatPlan, ChatWork
-from decider.errors import DeciderError, RequestExceedsDeadlineError, UnavailableError
+from decider.errors import DeciderError, OverloadedError, RequestExceedsDeadlineError, UnavailableError
 from decider.schemas.decision import parse_decision_request
 from decider.server.handlers import _JobStream, run_until_disconnect
 from decider.server.metrics import ServerMetrics
@@ -50,6 +52,112 @@ def test_the_cost_model_fits_steps_tokens_and_attention_exactly() -> None:
         model.observe(cost, float(cost.features() @ truth))
     big = Cost(3, 4500, span_attended(0, 4500))
     assert model.predict(big) == pytest.approx(float(big.features() @ truth), rel=1e-6)
+
+
+def test_the_cost_model_tells_steps_from_tokens_after_a_chat_only_stretch() -> None:
+    """Chat-only decodes carry one token per chat (tokens = chats × steps): a thousand of them
+    must not move the per-step cost onto the per-token one, or a decision is mispredicted."""
+    truth = np.array([0.01, 0.0001, 0.00002])  # per step, per token, per thousand attended positions
+    noise = np.random.default_rng(7)
+    model = CostModel()
+
+    def timed(cost: Cost) -> None:
+        model.observe(cost, float(cost.features() @ truth) * noise.uniform(0.97, 1.03))
+
+    for tokens, start in [(600, 40), (300, 0), (1200, 100), (80, 500), (2000, 0), (5, 900)] * 4:
+        timed(Cost(1, tokens, span_attended(start, tokens)))
+    for position in range(100, 1100):  # four chats generating, a token each per decode
+        timed(Cost(1, 4, sum(span_attended(position + 37 * chat, 1) for chat in range(4))))
+    decision = Cost(3, 300, span_attended(40, 300))
+    assert model.predict(decision) == pytest.approx(float(decision.features() @ truth), rel=0.2)
+    chat_step = Cost(1, 4, 4 * span_attended(1200, 1))
+    assert model.predict(chat_step) == pytest.approx(float(chat_step.features() @ truth), rel=0.2)
+
+
+def test_a_chat_counts_at_the_length_chats_have_been_generating() -> None:
+    lengths = ChatLengths()
+    assert lengths.expected_total(1024) == 1024  # nothing measured yet: its max_tokens
+    for generated in (40, 60, 50, 200):
+        lengths.record(generated)
+    assert lengths.expected_total(1024) == 88  # the mean
+    assert lengths.expected_total(30) == 30  # never beyond its max_tokens
+    assert lengths.expected_total(1024, produced=100) == 200  # the mean of the longer ones
+    assert lengths.expected_total(1024, produced=300) == 600  # longer than all: as long again
+    for _ in range(20):  # chats cut off at max_tokens 1 (one label read the text-route way)
+        lengths.record(1, stopped=False)
+    assert lengths.expected_total(1024) == 88  # say nothing of how long a longer one runs
+    assert lengths.expected_total(1) == 1
+
+
+def test_the_work_ahead_counts_a_running_chat_at_the_measured_length() -> None:
+    """Four chats with max_tokens 1000 stopped after 20 tokens: a fifth counts 20 decodes of 10 ms
+    (Retry-After 1 s), not 1000 (10 s)."""
+    engine = FakeEngine(decode_seconds=0.01, chat_tokens=20)
+    scheduler = Scheduler(queue_size=0, deadline_seconds=55, metrics=ServerMetrics())
+    scheduler.submit_unscheduled(lambda: scheduler.attach(engine.runtime, engine.head_tokens)).result(5)
+    for size in (50, 400, 120):
+        _timed(scheduler, _work(engine, size))
+    for i in range(4):
+        scheduler.enqueue("chat", f"c{i}", ChatWork(ChatPlan([1] * 10, 1000))).future.result(10)  # type: ignore[union-attr]
+    gate = threading.Event()
+    engine.runtime.gate = gate
+    chat = scheduler.enqueue("chat", "running", ChatWork(ChatPlan([1] * 10, 1000)))
+    with pytest.raises(OverloadedError) as full:  # queue_size 0: nothing may wait
+        scheduler.admit("decision", "behind", Cost(3, 20))
+    assert full.value.headers["Retry-After"] == "1"
+    gate.set()
+    chat.future.result(10)  # type: ignore[union-attr]
+    scheduler.close()
+
+
+@pytest.mark.parametrize("chats", [0, 4, 8])
+def test_a_decision_beside_running_chats_is_admitted_and_done_when_estimated(chats: int) -> None:
+    """Chats with the default max_tokens (1024 decodes of 30 ms, 30 s each at most) run: a decision
+    beside them shares their decodes, is admitted within a 55 s deadline, and takes what admission
+    estimated (0.8–1.25 of it)."""
+    engine = FakeEngine(decode_seconds=0.03, token_seconds=0.0003, chat_tokens=100_000)
+    scheduler = _scheduler(engine, deadline=55)
+    for size in (50, 400, 900, 120):
+        _timed(scheduler, _work(engine, size))
+    running = [scheduler.enqueue("chat", f"c{i}", ChatWork(ChatPlan([1] * 10, 1024))) for i in range(chats)]
+    decodes = len(engine.calls)
+    deadline = time.monotonic() + 10
+    while chats and len(engine.calls) < decodes + 3 and time.monotonic() < deadline:  # they generate
+        time.sleep(0.005)
+    started = time.monotonic()
+    job = scheduler.enqueue("decision", "beside", _work(engine, 600))
+    assert job.future.result(30).answers  # type: ignore[union-attr]
+    measured = time.monotonic() - started
+    assert job.estimate is not None
+    assert 0.8 <= job.estimate / measured <= 1.25, (job.estimate, measured)
+    assert all(not chat.future.done() for chat in running)  # type: ignore[union-attr]  # beside them
+    for chat in running:
+        chat.cancel()
+    scheduler.close()
+
+
+def test_an_idle_server_never_answers_deadline_unreachable() -> None:
+    """Nothing ahead (nothing admitted, or only work already past its deadline or cancelled): a
+    request is tried up to 1.25× the deadline, and refused as too large (422) beyond it."""
+    engine = FakeEngine(token_seconds=0.001)
+    scheduler = _scheduler(engine, deadline=1.0)
+    for size in (50, 400, 120):
+        _timed(scheduler, _work(engine, size))
+    per_token = scheduler.costs.predict(Cost(0, 1000)) / 1000  # type: ignore[operator]
+
+    def tried_up_to_the_refusal() -> None:
+        for share in (0.2, 0.6, 0.95, 1.05, 1.2):
+            scheduler.withdraw(scheduler.admit("decision", f"x{share}", Cost(3, round(share / per_token))))
+        with pytest.raises(RequestExceedsDeadlineError):
+            scheduler.admit("decision", "hopeless", Cost(3, round(1.4 / per_token)))
+
+    tried_up_to_the_refusal()
+    stale = scheduler.admit("decision", "stale", Cost(3, 100), arrived_at=time.monotonic() - 2)
+    gone = scheduler.admit("decision", "gone", Cost(3, 100))
+    gone.cancel()
+    assert stale.expired() and {stale, gone} <= scheduler._admitted  # their handlers have not left yet
+    tried_up_to_the_refusal()
+    scheduler.close()
 
 
 def test_admission_estimates_follow_attention_on_500_2000_and_4500_token_requests() -> None:
@@ -112,39 +220,46 @@ def _gated_chat_scheduler() -> tuple[Scheduler, threading.Event]:
     return scheduler, gate
 
 
-def test_a_chat_costs_a_step_per_generated_token() -> None:
-    """A chat may stop at any token, so it is tried; the work behind it waits for all of them."""
+def test_a_decision_beside_a_long_chat_shares_its_steps_and_is_admitted() -> None:
+    """A chat may stop at any token, so it is tried. The work behind it runs beside it, one decode
+    carrying both: 10 decodes beside up to 200 of the chat take 10 decodes, not 210."""
     plan = ChatPlan(prompt=[1] * 10, max_tokens=200)
     assert plan.cost.steps == 201 and plan.cost.tokens == 210 and plan.least_cost.steps == 1
     scheduler, gate = _gated_chat_scheduler()
     chat = scheduler.enqueue("chat", "long", ChatWork(plan))  # 200 decodes of 10 ms at most: 2 s
-    with pytest.raises(UnavailableError) as refused:  # 10 decodes, behind up to 200 of the chat
-        scheduler.admit("decision", "behind", Cost(10, 50))
-    assert refused.value.code == "deadline_unreachable" and refused.value.retryable
+    behind = scheduler.admit("decision", "behind", Cost(10, 50))
+    assert behind.estimate is not None and behind.estimate < 0.5
+    scheduler.withdraw(behind)
     gate.set()
     chat.future.exception(5)  # type: ignore[union-attr]  # the 1 s deadline ends the generation
     scheduler.close()
 
 
 def test_work_ahead_counts_only_until_its_own_deadline() -> None:
-    """A job is stopped at its deadline: behind it a request waits at most that long, and behind a
-    job already past it (answered 504, its work not yet dropped) or cancelled, not at all."""
-    scheduler, gate = _gated_chat_scheduler()
-    long_chat = ChatPlan(prompt=[1] * 10, max_tokens=5000)  # ~50 s of decodes, stopped at 1 s
-    chat = scheduler.enqueue("chat", "long", ChatWork(long_chat), arrived_at=time.monotonic() - 0.6)
-    scheduler.withdraw(scheduler.admit("decision", "behind", Cost(3, 20)))  # ~0.03 s after its 0.4 s
-    with pytest.raises(UnavailableError):  # ~0.8 s of its own does not fit behind it
-        scheduler.admit("decision", "larger", Cost(80, 400))
+    """A job is stopped at its deadline: beside it a request shares the steps at most that long,
+    and beside a job already past it (answered 504, its work not yet dropped) or cancelled, not at
+    all."""
+    engine = FakeEngine(token_seconds=0.001)
+    scheduler = _scheduler(engine, deadline=3.0)
+    for size in (50, 400, 120):
+        _timed(scheduler, _work(engine, size))
+    gate = threading.Event()
+    engine.runtime.gate = gate
+    big = _work(engine, 2000)  # ~2.2 s of tokens alone, stopped at its deadline 0.4 s from now
+    ahead = scheduler.enqueue("decision", "big", big, arrived_at=time.monotonic() - 2.6)
+    scheduler.withdraw(scheduler.admit("decision", "behind", Cost(3, 1000)))  # ~1 s beside its 0.4 s
+    with pytest.raises(UnavailableError):  # ~2.7 s of its own does not fit beside it
+        scheduler.admit("decision", "larger", Cost(3, 2700))
     gate.set()
-    chat.future.exception(5)  # type: ignore[union-attr]
+    ahead.future.exception(5)  # type: ignore[union-attr]
 
-    stale = scheduler.admit("decision", "stale", Cost(80, 400), arrived_at=time.monotonic() - 0.9)
+    stale = scheduler.admit("decision", "stale", Cost(3, 2700), arrived_at=time.monotonic() - 2.9)
     time.sleep(0.15)
     assert stale.expired()  # still admitted: its handler has not withdrawn it yet
-    scheduler.withdraw(scheduler.admit("decision", "after-stale", Cost(80, 400)))
-    gone = scheduler.admit("decision", "gone", Cost(80, 400))
+    scheduler.withdraw(scheduler.admit("decision", "after-stale", Cost(3, 2700)))
+    gone = scheduler.admit("decision", "gone", Cost(3, 2700))
     gone.cancel()  # its caller left
-    scheduler.withdraw(scheduler.admit("decision", "after-gone", Cost(80, 400)))
+    scheduler.withdraw(scheduler.admit("decision", "after-gone", Cost(3, 2700)))
     for job in (stale, gone):
         scheduler.withdraw(job)
     scheduler.close()

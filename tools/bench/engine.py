@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=1, help="time each measurement N times, keep the fastest"
     )
-    parser.add_argument("--threads", type=int, default=None, help="DECIDER_N_THREADS (default: all cores)")
+    parser.add_argument("--threads", type=int, default=None, help="DECIDER_N_THREADS (default: cores)")
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
     parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)

@@ -23,6 +23,14 @@ all cores), side by side on the same requests:
    / the mean of the two decision-route wall times (above 1: we are faster; a drift of the machine's
    speed cancels out); `argmax_agree` = the share of questions where both pick the same option;
    `text_prompt_tokens` / `decision_tokens` = the tokens each evaluated.
+5. Mixed traffic. `--mixed-requests` of the sweep's requests (default 8), one at a time, alone and
+   then again while `--mixed-chats` clients (default 4) keep streaming chats with the default
+   max_tokens beside them; `decision_p50_ratio` / `decision_p95_ratio` = beside / alone (1.0: the
+   chats cost the decisions nothing), and how the chats ended (`cut`: closed at the level's end).
+6. Multi-turn chat. One conversation of `--turns` turns (default 5, greedy, 64 tokens per answer),
+   each carrying the earlier turns: time to first token of the last turn over the first
+   (`ttft_last_over_first`; the target is at most 1.5 at turn 5, with the previous turn's tokens
+   reused).
 
 The last lines are machine-readable (times in seconds; ratios against the 1-client run):
     http_vs_engine=… ping_p99=…
@@ -31,6 +39,10 @@ The last lines are machine-readable (times in seconds; ratios against the 1-clie
     (one line per concurrency)
     text_route=llama-server concurrency=1 decision_vs_text=… argmax_agree=… text_errors=…
       text_prompt_tokens=… decision_tokens=…   (1 and 4 clients)
+    mixed_chats=4 decision_p50_ratio=… decision_p95_ratio=… p50_alone=… p50_beside=… p95_alone=…
+      p95_beside=… decision_errors=… chat_ends=…
+    multi_turn=5 ttft_first=… ttft_last=… ttft_last_over_first=… prompt_tokens_first=… prompt_tokens_last=…
+      turn_ends=…
 
 JevBench data: Apache-2.0, Copyright 2026 Chen Feng (the `jevbench` package's cases: tools.evaluate.jevbench).
 """
@@ -38,6 +50,8 @@ JevBench data: Apache-2.0, Copyright 2026 Chen Feng (the `jevbench` package's ca
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import queue
 import statistics
@@ -454,13 +468,24 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="a smoke run: 8 requests, 2 overhead cases, 3 states"
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="DECIDER_N_THREADS for both (default: all cores)"
+        "--threads", type=int, default=None, help="DECIDER_N_THREADS for both (default: physical cores)"
     )
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the bundled SmolLM2)")
     parser.add_argument(
         "--n-gpu-layers", type=int, default=0, help="DECIDER_N_GPU_LAYERS for both (-1: all; a CUDA build)"
     )
     parser.add_argument("--ping-interval", type=float, default=0.1)
+    parser.add_argument(
+        "--mixed-chats",
+        default="4",
+        help="chats generating beside the mixed level's decisions, comma-separated (default 4; 0: skip)",
+    )
+    parser.add_argument(
+        "--turns", type=int, default=5, help="turns of the multi-turn chat line (default 5; 0: skip)"
+    )
+    parser.add_argument(
+        "--mixed-requests", type=int, default=8, help="decisions of the mixed level, alone and beside chats"
+    )
     parser.add_argument(
         "--llama-server",
         type=Path,
@@ -513,6 +538,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         console.print("[dim]batch route…[/]")
         batch = measure_batch(server.base_url, same_questions_group(cases, args.batch_states))
+        multi_turn = measure_multi_turn(server.base_url, args.turns) if args.turns > 1 else []
+        mixed = [
+            measure_mixed(server.base_url, spread(bodies, args.mixed_requests), chats)
+            for chats in (int(n) for n in args.mixed_chats.split(",") if n.strip())
+            if chats > 0
+        ]
         comparisons = compare_text_route(
             console,
             server.base_url,
@@ -560,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
         print(concurrency_line(level, serial, serial_answers))
     for comparison in comparisons:
         print(text_route_line(comparison))
+    for result in mixed:
+        print(result.line())
+    if multi_turn:
+        print(multi_turn_line(multi_turn))
+    failed = failed or any(result.beside.errors or result.alone.errors for result in mixed)
     return 1 if failed or ping_failures else 0
 
 
@@ -630,6 +666,185 @@ def text_route_line(comparison: TextComparison) -> str:
             ("text_prompt_tokens", str(comparison.text.prompt_tokens)),
             ("decision_tokens", f"{tokens:.0f}"),
         )
+    )
+
+
+# --- mixed level: decisions with chats running beside them --------------------------------------------
+MIXED_CHAT_PROMPT = "Write a long story about a lighthouse keeper and the ships she saw."
+
+
+@dataclass
+class MixedResult:
+    """The same decisions one at a time, alone and with `chats` chats generating beside them."""
+
+    chats: int
+    alone: Level
+    beside: Level
+    chat_ends: dict[str, int] = field(default_factory=dict)  # finish reason or error code -> chats
+
+    def line(self) -> str:
+        p50 = (percentile(self.alone.latencies, 50), percentile(self.beside.latencies, 50))
+        p95 = (percentile(self.alone.latencies, 95), percentile(self.beside.latencies, 95))
+        return key_values(
+            (
+                ("mixed_chats", str(self.chats)),
+                ("decision_p50_ratio", ratio(p50[1], p50[0])),
+                ("decision_p95_ratio", ratio(p95[1], p95[0])),
+                ("p50_alone", p50[0]),
+                ("p50_beside", p50[1]),
+                ("p95_alone", p95[0]),
+                ("p95_beside", p95[1]),
+                ("decision_errors", str(self.beside.errors)),
+                ("chat_ends", ",".join(f"{k}:{v}" for k, v in sorted(self.chat_ends.items())) or "none"),
+            ),
+            digits=3,
+        )
+
+
+def _chat_until(base_url: str, seed: int, stop: threading.Event, generating: threading.Barrier) -> list[str]:
+    """Stream chats (default max_tokens) one after another until `stop`; each one's end: its
+    finish_reason, `cut` when `stop` closed it, or its error code. Waits at `generating` once its
+    first chat has a token (or has failed)."""
+    body = {"messages": [{"role": "user", "content": MIXED_CHAT_PROMPT}], "temperature": 1.0, "stream": True}
+    ends: list[str] = []
+    waited = threading.Event()
+
+    def ready() -> None:
+        if not waited.is_set():
+            waited.set()
+            with contextlib.suppress(threading.BrokenBarrierError):
+                generating.wait(120)
+
+    with httpx.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client:
+        while not stop.is_set():
+            end = "cut"
+            with client.stream("POST", "/v1/chat/completions", json={**body, "seed": seed}) as response:
+                if response.status_code != 200:
+                    response.read()
+                    end = f"{response.status_code} {error_code(response)}"
+                    ready()
+                for line in response.iter_lines() if response.status_code == 200 else ():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    if "error" in chunk:
+                        end = str(chunk["error"].get("code"))
+                    elif chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
+                        end = chunk["choices"][0]["finish_reason"]
+                    elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                        ready()
+                    if stop.is_set():
+                        break
+            ends.append(end)
+            seed += 1000
+    return ends
+
+
+def measure_mixed(base_url: str, bodies: list[dict[str, Any]], chats: int) -> MixedResult:
+    """`bodies` one at a time alone, then again while `chats` clients keep chats generating."""
+    alone = measured_level(base_url, "/invocations", bodies, 1, None)
+    stop = threading.Event()
+    generating = threading.Barrier(chats + 1)
+    threads: list[tuple[threading.Thread, list[list[str]]]] = []
+    for seed in range(chats):
+        out: list[list[str]] = []
+        thread = threading.Thread(
+            target=lambda seed=seed, out=out: out.append(_chat_until(base_url, seed, stop, generating)),
+            daemon=True,
+        )
+        thread.start()
+        threads.append((thread, out))
+    with contextlib.suppress(threading.BrokenBarrierError):
+        generating.wait(120)  # every chat is generating
+    beside = measured_level(base_url, "/invocations", bodies, 1, None)
+    stop.set()
+    ends: dict[str, int] = {}
+    for thread, out in threads:
+        thread.join(CLIENT_TIMEOUT_SECONDS)
+        for end in out[0] if out else ["client_hung"]:
+            ends[end] = ends.get(end, 0) + 1
+    return MixedResult(chats, alone, beside, ends)
+
+
+# --- multi-turn chat: time to first token as a conversation grows ---------------------------------------
+MULTI_TURN_QUESTIONS = (
+    "Tell me about lighthouses.",
+    "Who kept them lit?",
+    "What did they eat?",
+    "How did they spend the winter?",
+    "Which one is the most famous?",
+    "Why was it built there?",
+)
+
+
+@dataclass
+class Turn:
+    first_token_seconds: float
+    prompt_tokens: int
+    status: str  # a finish_reason, or an error
+
+
+def _stream_turn(client: httpx.Client, messages: list[dict[str, str]], max_tokens: int) -> tuple[Turn, str]:
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first, text, status, prompt_tokens = math.nan, [], "no_end", 0
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            return Turn(math.nan, 0, f"{response.status_code} {error_code(response)}"), ""
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                status = str(chunk["error"].get("code"))
+            for choice in chunk.get("choices") or ():
+                if choice.get("delta", {}).get("content"):
+                    if math.isnan(first):
+                        first = time.perf_counter() - started
+                    text.append(choice["delta"]["content"])
+                if choice.get("finish_reason"):
+                    status = choice["finish_reason"]
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+    return Turn(first, prompt_tokens, status), "".join(text)
+
+
+def measure_multi_turn(base_url: str, turns: int = 5, max_tokens: int = 64) -> list[Turn]:
+    """One conversation of `turns` turns (greedy, `max_tokens` per answer), each turn carrying the
+    earlier questions and answers: its time to first token, one client, nothing beside it."""
+    messages: list[dict[str, str]] = []
+    out: list[Turn] = []
+    with httpx.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client:
+        for index in range(turns):
+            messages.append(
+                {"role": "user", "content": MULTI_TURN_QUESTIONS[index % len(MULTI_TURN_QUESTIONS)]}
+            )
+            turn, answer = _stream_turn(client, messages, max_tokens)
+            out.append(turn)
+            messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def multi_turn_line(turns: list[Turn]) -> str:
+    first, last = turns[0], turns[-1]
+    return key_values(
+        (
+            ("multi_turn", str(len(turns))),
+            ("ttft_first", first.first_token_seconds),
+            ("ttft_last", last.first_token_seconds),
+            ("ttft_last_over_first", ratio(last.first_token_seconds, first.first_token_seconds)),
+            ("prompt_tokens_first", str(first.prompt_tokens)),
+            ("prompt_tokens_last", str(last.prompt_tokens)),
+            ("turn_ends", ",".join(turn.status for turn in turns)),
+        ),
+        digits=3,
     )
 
 

@@ -5,7 +5,13 @@ weights streamed once), each token a matmul cost, and each token attends every p
 so a 4,500-token request costs far more than nine 500-token ones. A `Cost` counts all three:
 `steps` (decodes), `tokens`, and `attended` (the positions the tokens attend, summed). The
 `CostModel` fits seconds = a·steps + b·tokens + c·attended to the decodes the engine has timed
-(non-negative least squares over a sliding window) and predicts what a request will take.
+(non-negative least squares) and predicts what a request will take.
+
+The decodes it remembers are kept by size: the latest few of each power-of-two token count. A
+stretch of chat-only work (every decode one token per chat, so tokens = chats × steps) would
+otherwise fill a plain sliding window with decodes in which steps and tokens cannot be told
+apart, and the fit could move the per-step cost onto the per-token one: a 300-token decision
+would then be predicted at 300 chat steps. Larger decodes seen before stay in their own bins.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 ATTENTION_UNIT = 1000.0  # `attended` is fitted in thousands of positions (keeps the fit well scaled)
-WINDOW = 256  # timed decodes the fit remembers
+BIN_WINDOW = 32  # timed decodes the fit remembers per size bin (tokens per decode, powers of two)
+SIZE_BINS = 14  # 1, 2-3, 4-7, ... tokens; the last bin takes every larger decode
 MIN_OBSERVATIONS = 3
 
 
@@ -44,6 +51,13 @@ class Cost:
         left = max(0.0, 1.0 - decoded_tokens / self.tokens)
         return Cost(math.ceil(self.steps * left), math.ceil(self.tokens * left), self.attended * left)
 
+    def scaled(self, fraction: float) -> Cost:
+        """The share `fraction` (0..1) of it: the part done before a deadline cuts it off."""
+        fraction = min(1.0, max(0.0, fraction))
+        return Cost(
+            math.ceil(self.steps * fraction), math.ceil(self.tokens * fraction), self.attended * fraction
+        )
+
     def features(self) -> np.ndarray:
         return np.array([self.steps, self.tokens, self.attended / ATTENTION_UNIT], dtype=np.float64)
 
@@ -51,25 +65,31 @@ class Cost:
 class CostModel:
     """seconds ≈ a·steps + b·tokens + c·attended, a, b, c ≥ 0, fitted to recent timed decodes."""
 
-    def __init__(self, window: int = WINDOW) -> None:
-        self._rows: deque[np.ndarray] = deque(maxlen=window)
-        self._seconds: deque[float] = deque(maxlen=window)
+    def __init__(self, bin_window: int = BIN_WINDOW) -> None:
+        self._bins: list[deque[tuple[np.ndarray, float]]] = [
+            deque(maxlen=bin_window) for _ in range(SIZE_BINS)
+        ]
         self._coef: np.ndarray | None = None
 
     def observe(self, cost: Cost, seconds: float) -> None:
         """One decode of `cost` took `seconds`."""
-        self._rows.append(cost.features())
-        self._seconds.append(seconds)
+        size_bin = min(SIZE_BINS - 1, max(0, cost.tokens).bit_length())
+        self._bins[size_bin].append((cost.features(), seconds))
         self._coef = None
 
     @property
+    def observations(self) -> int:
+        return sum(len(size_bin) for size_bin in self._bins)
+
+    @property
     def ready(self) -> bool:
-        return len(self._seconds) >= MIN_OBSERVATIONS
+        return self.observations >= MIN_OBSERVATIONS
 
     @property
     def coefficients(self) -> np.ndarray | None:
         if self._coef is None and self.ready:
-            self._coef = _nnls(np.array(self._rows), np.array(self._seconds))
+            timed = [entry for size_bin in self._bins for entry in size_bin]
+            self._coef = _nnls(np.array([row for row, _ in timed]), np.array([sec for _, sec in timed]))
         return self._coef
 
     def predict(self, cost: Cost) -> float | None:

@@ -2,18 +2,24 @@
 
 The engine is not thread-safe, so ONE engine thread owns the llama context (the model load
 included). Requests are admitted on the event loop: refused at once with 429 when `queue_size`
-requests are already waiting to start, with 503 `deadline_unreachable` when the work ahead of
-them cannot be done before their deadline (only when something is ahead: a retry can succeed once
-it is done), and with a 4xx when the request alone could not be done in time even on an idle server
-(a retry cannot succeed). The estimates come from a cost model fitted to the decodes the engine has
-timed, attention included (decider.engine.cost). A request's deadline runs from its arrival.
+requests are already waiting to start, with 503 `deadline_unreachable` when, beside the work
+admitted before it, it cannot be done before its deadline (only when something is ahead: a retry
+can succeed once it is done), and with a 4xx when the request alone could not be done in time even
+on an idle server (a retry cannot succeed). The estimates count the work ahead as running beside
+the request, sharing its decode steps (decider.engine.admission), chats at the length chats have
+been generating, and come from a cost model fitted to the decodes the engine has timed, attention
+included (decider.engine.cost). A request's deadline runs from its arrival.
 
 Admitted work is a `Work` state machine (decision or chat); every loop of the engine thread builds
 ONE decode step from every
 running work, up to `n_batch` tokens, the free sequences and the free memory cells: the next token
 of each chat first (a generation interleaves with decisions token by token), then the rows of the
 decisions and chat prefills in the order they were admitted. Each work keeps its own deadline,
-cancellation and errors: one bad work never fails its neighbours.
+cancellation and errors: one bad work never fails its neighbours. A chat takes a memory cell per
+generated token as it goes, leaving free what the first unit waiting for cells needs; when a step
+has no free cell for every chat's next token beyond that, the chats pause while a decision holds
+cells (they come back when it ends), and otherwise the youngest chats stop with finish_reason
+"length" until the others fit (`_make_room_for_chats`).
 
 Deadlines are decided on the engine thread: work that completes after its deadline is a 504, work
 that completes before it is answered, whatever the event loop's timing. A step whose works have all
@@ -36,6 +42,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from decider.engine.admission import Ahead, ChatLengths, finish_cost
 from decider.engine.cost import Cost, CostModel, span_attended
 from decider.engine.invariance import HEAD_SEQ, BatchPolicy
 from decider.engine.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
@@ -63,6 +70,7 @@ RETRYABLE_WAIT_FRACTION = 0.1
 # have been served (an estimate is an estimate); one just above the deadline is tried and may 504.
 REFUSE_FACTOR = 1.25
 STALL_SECONDS = 5.0
+DEFAULT_STEP_TOKENS = 2048  # tokens a decode carries, for estimates before a model is attached
 
 
 class _Null:
@@ -111,6 +119,7 @@ class Job:
     deadline: float  # time.monotonic(): the request's arrival plus the deadline
     admitted_at: float
     cost: Cost = field(default_factory=Cost)
+    estimate: float | None = None  # seconds to its answer, predicted at admission (None: no model yet)
     started_at: float | None = None
     future: Future[Any] | None = None  # set by `Scheduler.enqueue`
     _cancelled: threading.Event = field(default_factory=threading.Event)
@@ -206,6 +215,10 @@ class Scheduler:
         self._head: list[int] = []
         self._head_ready = False
         self.costs = CostModel()  # seconds per decode, fitted to the decodes timed so far (under _cond)
+        self.chat_lengths = ChatLengths()  # tokens the recent chats generated (under _cond)
+        self._step_tokens = DEFAULT_STEP_TOKENS  # the backend's, once attached
+        self._in_flight: tuple[float, Cost] | None = None  # the decode running: (started, its cost)
+        self._cells_claimed = 0  # what the first unit waiting for cells needs (chats leave it free)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -227,6 +240,7 @@ class Scheduler:
         policy = backend.policy
         self._seqs = SeqPool(backend.n_seq_max, policy.reserved_seqs, graveyards=policy.graveyards)
         self._head = list(head_tokens)
+        self._step_tokens = policy.step_tokens
         self._backend = backend
         self._decode_head(backend)  # before /ping turns 200: the first request does not pay for it
 
@@ -253,7 +267,8 @@ class Scheduler:
             if self._closed:
                 raise shutting_down()
             waiting = sum(1 for job in self._admitted if job.started_at is None)
-            predicted_wait = self._seconds_ahead_locked()
+            ahead = self._ahead_locked(now)
+            predicted_wait = self._busy_seconds_locked(ahead, now)
             if self._admitted and waiting >= self.queue_size:
                 self._metrics.rejections.labels("queue_full").inc()
                 retry_after = _retry_after(predicted_wait)
@@ -264,6 +279,7 @@ class Scheduler:
                     headers={"Retry-After": str(retry_after)},
                 )
             own = self.costs.predict(least) if least.tokens else None
+            estimate = None
             if own is not None:
                 if own > REFUSE_FACTOR * self.deadline_seconds:
                     self._metrics.rejections.labels("request_exceeds_deadline").inc()
@@ -272,19 +288,20 @@ class Scheduler:
                         f"more than the {self.deadline_seconds:g} s deadline (DECIDER_DEADLINE_SECONDS) even "
                         "with nothing else running; send fewer questions or states per request"
                     )
+                estimate = self._finish_seconds_locked(least, ahead, now)
                 # Only work ahead can make a request that fits alone miss its deadline, and then a
                 # retry can succeed once that work is done. On an idle engine the request is tried.
-                if predicted_wait > 0 and predicted_wait + own > deadline - now:
+                if ahead and estimate > deadline - now:
                     self._metrics.rejections.labels("deadline_unreachable").inc()
                     retry_after = _retry_after(predicted_wait)
                     raise UnavailableError(
-                        f"the requests ahead need about {predicted_wait:.1f} s and this one "
-                        f"about {own:.1f} s, more than the {deadline - now:.1f} s left of its "
+                        f"beside the requests ahead this one needs about {estimate:.1f} s (about "
+                        f"{own:.1f} s alone), more than the {deadline - now:.1f} s left of its "
                         f"{self.deadline_seconds:g} s deadline (DECIDER_DEADLINE_SECONDS)",
                         code="deadline_unreachable",
                         headers={"Retry-After": str(retry_after)},
                     )
-            job = Job(kind, request_id, deadline, now, cost)
+            job = Job(kind, request_id, deadline, now, cost, estimate)
             self._admitted.add(job)
             self._update_gauges_locked()
         return job
@@ -296,24 +313,44 @@ class Scheduler:
         job.future = self.submit(job, work)
         return job
 
-    def _seconds_ahead_locked(self) -> float:
-        """Predicted seconds of the admitted work not done yet (0 until the cost model is ready).
+    def _ahead_locked(self, now: float) -> list[Ahead]:
+        """What is left of the admitted work (a chat at the length chats have been generating).
 
-        A job is stopped at its deadline, so it holds the engine for at most the time it has left,
-        and one already past it (answered 504, its decode being aborted) or cancelled holds it no more.
-        """
+        A job is stopped at its deadline, so it runs for at most the time it has left, and one
+        already past it (answered 504, its decode being aborted) or cancelled runs no more."""
         submitted = {id(r.job): r for r in self._works}
-        now = time.monotonic()
-        seconds = 0.0
+        ahead = []
         for job in self._admitted:
             if job.cancelled or job.expired(now):
                 continue
             running = submitted.get(id(job))
-            left = job.cost if running is None else job.cost.remaining(running.decoded)
-            predicted = self.costs.predict(left) if left.tokens else None
-            if predicted:
-                seconds += min(predicted, job.deadline - now)
-        return seconds
+            if running is None:
+                pieces = [job.cost]
+            elif running.work.kind == "chat":
+                pieces = running.work.cost_left(self.chat_lengths)  # type: ignore[attr-defined]
+            else:
+                pieces = [job.cost.remaining(running.decoded)]
+            ahead += [Ahead(piece, job.deadline - now) for piece in pieces if piece.tokens]
+        return ahead
+
+    def _in_flight_seconds_locked(self, now: float) -> float:
+        """What is left of the decode running now: a new request's rows go into the next one."""
+        if self._in_flight is None:
+            return 0.0
+        started, cost = self._in_flight
+        return max(0.0, (self.costs.predict(cost) or 0.0) - (now - started))
+
+    def _finish_seconds_locked(self, new: Cost, ahead: list[Ahead], now: float) -> float:
+        """Predicted seconds until `new` is done, run beside the work `ahead` (the model is ready)."""
+        seconds = self.costs.predict(finish_cost(new, ahead, self.costs, self._step_tokens)) or 0.0
+        return seconds + (self._in_flight_seconds_locked(now) if ahead else 0.0)
+
+    def _busy_seconds_locked(self, ahead: list[Ahead], now: float) -> float:
+        """Predicted seconds until the admitted work is all done (0 until the cost model is ready)."""
+        if not ahead:
+            return 0.0
+        seconds = self.costs.predict(finish_cost(None, ahead, self.costs, self._step_tokens)) or 0.0
+        return seconds + self._in_flight_seconds_locked(now)
 
     def _update_gauges_locked(self) -> None:
         started = sum(1 for r in self._works if r.started)
@@ -463,17 +500,44 @@ class Scheduler:
         used = sum(work.footprint().held for work in decisions) + self._dead_cells()
         return used >= self.epoch_cells
 
+    def _free_cells(self, backend: Backend) -> int:
+        held = sum(r.work.footprint().held for r in self._works) + self._dead_cells()
+        return backend.n_ctx - len(self._head) - backend.policy.reserved_cells - held
+
+    def _make_room_for_chats(self, backend: Backend) -> None:
+        """Every generating chat takes one cell in each step, and leaves free the cells that the
+        first unit waiting for cells needs to start (first come, first served: chats growing into
+        freed cells must not starve it). When the free cells are fewer: while a decision holds
+        cells, the chats without one pause (the decision ends, and its cells come back); otherwise
+        the youngest chats stop with finish_reason "length" until the rest fit."""
+        assert self._seqs is not None
+        chats = [r for r in self._works if r.work.kind == "chat" and r.work.cells_wanted]  # type: ignore[attr-defined]
+        need, free = len(chats), self._free_cells(backend) - self._cells_claimed
+        if need <= free:
+            return
+        if any(r.work.kind != "chat" and r.work.footprint().held for r in self._works):
+            return
+        for running in reversed(chats):  # admission order: the youngest last
+            if need <= free:
+                break
+            running.work.stop_for_cells(backend, self._seqs)  # type: ignore[attr-defined]
+            log.info(
+                "request %s: no memory cell for its next token; stopped (length)", running.job.request_id
+            )
+            need -= 1
+            free = self._free_cells(backend) - self._cells_claimed
+
     def _plan(self, backend: Backend) -> Step:
         assert self._seqs is not None
-        held = sum(r.work.footprint().held for r in self._works) + self._dead_cells()
+        self._make_room_for_chats(backend)
         policy = backend.policy
-        fixed = len(self._head) + policy.reserved_cells
         step = Step(
             backend,
             self._seqs,
             policy.step_tokens,
-            backend.n_ctx - fixed - held,
+            self._free_cells(backend),
             running=[r.work for r in self._works],
+            growth_floor=self._cells_claimed,
         )
         step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()
@@ -498,6 +562,7 @@ class Scheduler:
             if len(step.rows) > before and running.job.started_at is None:
                 running.job.started_at = now
                 self._metrics.queue_wait.labels(running.job.kind).observe(now - running.job.admitted_at)
+        self._cells_claimed = step.waiting_for_cells
         with self._cond:
             self._update_gauges_locked()
         return step
@@ -508,17 +573,24 @@ class Scheduler:
         def should_abort() -> bool:
             return self._hard_stop or all(job.should_stop() for job in jobs)
 
-        started = time.monotonic()
-        completed = self._decode_split(backend, step.rows, should_abort)
-        elapsed = time.monotonic() - started
         tokens = step.token_count
+        attended = sum(span_attended(p.row.start_pos, len(p.row.tokens)) for p in step.rows)
+        cost = Cost(1, tokens, attended)
+        started = time.monotonic()
+        with self._cond:  # admission reads the model, and the decode in flight, on the event loop
+            self._in_flight = (started, cost)
+        try:
+            completed = self._decode_split(backend, step.rows, should_abort)
+        finally:
+            elapsed = time.monotonic() - started
+            with self._cond:
+                self._in_flight = None
         self._metrics.decodes.inc()
         self._metrics.decode_rows.observe(len(step.rows))
         self._metrics.decode_tokens.observe(tokens)
         if completed:  # an aborted or split decode says nothing of the cost
-            attended = sum(span_attended(p.row.start_pos, len(p.row.tokens)) for p in step.rows)
-            with self._cond:  # admission reads the model on the event loop
-                self.costs.observe(Cost(1, tokens, attended), elapsed)
+            with self._cond:
+                self.costs.observe(cost, elapsed)
 
     def _decode_split(
         self, backend: Backend, rows: list[PlannedRow], should_abort: Callable[[], bool]
@@ -590,6 +662,10 @@ class Scheduler:
                 continue
             job = running.job
             with self._cond:
+                if running.work.kind == "chat":
+                    end = running.work.natural_end  # type: ignore[attr-defined]
+                    if end is not None:
+                        self.chat_lengths.record(end[0], stopped=end[1])
                 self._works.remove(running)
                 self._dead_removed += running.work.footprint().dead - running.dead_at_epoch_start
                 self._admitted.discard(job)
@@ -615,7 +691,8 @@ class Scheduler:
     def _unblock(self) -> None:
         """No row fits although works are waiting: if nothing holds memory, the first can never run.
 
-        Started works always have their memory reserved, so they stall only through a bug: after
+        Started works have their memory reserved (a chat short of cells for its next token pauses
+        only beside a decision, which has rows, else it is stopped), so they stall only through a bug: after
         STALL_SECONDS without a row they fail (500) rather than hang until their deadline."""
         if any(r.started for r in self._works):
             now = time.monotonic()

@@ -89,7 +89,7 @@ class Unit(Enum):
 
     STATE = "state"  # a decision state and all its branches
     STREAMING_STATE = "streaming state"  # a state too large for one memory epoch: its prefix and largest item
-    CHAT = "chat"  # a generation: its prompt and its longest answer
+    CHAT = "chat"  # a generation: its prompt (each generated token takes a cell as it is decoded)
 
 
 @dataclass(eq=False)
@@ -97,7 +97,8 @@ class Step:
     """The rows of one decode, within a token budget (n_batch) and a memory-cell budget.
 
     Works reserve the cells of a whole unit of work when it starts (`try_start`), so a started unit
-    never waits for memory; `cells_left` is what is still unreserved. The rules for what may start
+    never waits for memory; a chat reserves its prompt and takes a cell per generated token as it
+    goes (`take_cells`). `cells_left` is what is still unreserved. The rules for what may start
     are this class's alone: works ask, and never read the scheduler's state.
     """
 
@@ -112,6 +113,10 @@ class Step:
     # The scheduler's gate, set before each work plans: false behind a unit that could not start
     # (first come, first served) and while the memory epoch is full.
     starts_allowed: bool = True
+    # Cells that growing units (chats) leave free for the first unit waiting for cells to start
+    # (set by the scheduler), and what the first unit refused for lack of cells needs (read by it).
+    growth_floor: int = 0
+    waiting_for_cells: int = 0
     rows: list[PlannedRow] = field(default_factory=list)
 
     def may_hold_sequence(self) -> bool:
@@ -135,7 +140,18 @@ class Step:
             return False
         if unit is Unit.STATE and any(footprint.streams_alone for footprint in held):
             return False
-        if self.cells_left < cells or (holds_sequence and not self.may_hold_sequence()):
+        if self.cells_left < cells:
+            self.waiting_for_cells = self.waiting_for_cells or cells
+            return False
+        if holds_sequence and not self.may_hold_sequence():
+            return False
+        self.cells_left -= cells
+        return True
+
+    def take_cells(self, cells: int) -> bool:
+        """Take `cells` free cells for a row of a started unit that grows as it goes (a chat's next
+        token), if they are free beyond `growth_floor`; the gate does not apply: it has started."""
+        if self.cells_left - self.growth_floor < cells:
             return False
         self.cells_left -= cells
         return True

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from decider.engine import chat_options
+from decider.engine.admission import ChatLengths
 from decider.engine.cost import Cost, span_attended
 from decider.engine.decisions import DecisionPlan, DecisionPlanner, Item, Prefix, StatePlan
 from decider.engine.generation import (
@@ -439,7 +440,8 @@ class ChatPlan:
 
     @property
     def cost(self) -> Cost:
-        """The prefill, then one decode per generated token (each costs a whole step), up to max_tokens."""
+        """The prefill, then one decode per generated token (each costs a whole step), up to max_tokens
+        (what it may take; admission counts a running chat at the length chats have been generating)."""
         prompt = len(self.prompt)
         return Cost(1 + self.max_tokens, prompt + self.max_tokens, span_attended(0, prompt + self.max_tokens))
 
@@ -458,7 +460,11 @@ class Sampling(Memory, Protocol):
 
 
 class ChatWork:
-    """One chat completion: prefill the prompt in its own sequence, then one token per step."""
+    """One chat completion: prefill the prompt in its own sequence, then one token per step.
+
+    It reserves its prompt's cells when it starts and takes one more for each token it decodes,
+    when it decodes it: cells are never held for an answer not generated yet. A step with no free
+    cell for its next token pauses it, or the scheduler stops it (`stop_for_cells`)."""
 
     kind = "chat"
 
@@ -476,6 +482,7 @@ class ChatWork:
         self._produced = 0
         self._parts: list[str] = []
         self._finish: FinishReason | None = None
+        self._cut = False  # stopped for lack of memory cells, not by the model or max_tokens
         self._sampler: Any = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopFilter(plan.stop)
@@ -497,12 +504,40 @@ class ChatWork:
     def wants_start(self) -> bool:
         return not self.started
 
+    @property
+    def cells_wanted(self) -> int:
+        """Cells its next step takes beyond its reservation: one while it generates."""
+        return 1 if self._seq is not None and self._last is not None else 0
+
+    @property
+    def natural_end(self) -> tuple[int, bool] | None:
+        """(tokens generated, whether the model stopped it) once it ended by itself (a stop, or its
+        max_tokens); None when it was cancelled, failed or cut for lack of cells."""
+        if self._finish in ("stop", "length") and not self._cut:
+            return self._produced, self._finish == "stop"
+        return None
+
+    def cost_left(self, lengths: ChatLengths) -> list[Cost]:
+        """What is left of it: the rest of its prompt (one step), and the tokens it is expected to
+        generate still (a step each), at the length chats have been generating."""
+        if self._finish is not None:
+            return []
+        prompt = len(self.plan.prompt)
+        pieces = []
+        if self._prefilled < prompt:
+            rest = prompt - self._prefilled
+            pieces.append(Cost(1, rest, span_attended(self._prefilled, rest)))
+        expected = lengths.expected_total(self.plan.max_tokens, self._produced)
+        if (left := expected - self._produced) > 0:
+            pieces.append(Cost(left, left, span_attended(prompt + self._produced, left)))
+        return pieces
+
     def footprint(self) -> Footprint:
         """A generation never waits for another sequence, and its cells are its own: a memory epoch
-        may end while it runs."""
+        may end while it runs. Reserved (`future`): the prompt not decoded yet, no more."""
         if self._seq is None:
             return Footprint(dead=self._dead)
-        future = len(self.plan.prompt) + self.plan.max_tokens - self._decoded
+        future = len(self.plan.prompt) - self._prefilled
         return Footprint(live=self._decoded, future=future, dead=self._dead, seqs=(self._seq,))
 
     @property
@@ -520,9 +555,8 @@ class ChatWork:
         if self._finish is not None:
             return
         if self._seq is None:
-            # The whole generation's cells are reserved up front: it never runs out mid-answer.
-            need = len(self.plan.prompt) + self.plan.max_tokens
-            if not step.try_start(Unit.CHAT, need, holds_sequence=True):
+            # The prompt's cells are reserved up front; each generated token takes its own later.
+            if not step.try_start(Unit.CHAT, len(self.plan.prompt), holds_sequence=True):
                 return
             self._seq = step.seqs.acquire()
             grammar = None
@@ -539,7 +573,7 @@ class ChatWork:
             last = start + take == len(prompt)
             row = Row(self._seq, prompt[start : start + take], start, OutputSpec() if last else None)
             self._add(step, row, lambda done: self._after_prefill(step, take, done, last))
-        elif self._last is not None and step.tokens_left:
+        elif self._last is not None and step.tokens_left and step.take_cells(1):
             row = Row(self._seq, [self._last], self._position, OutputSpec())
             self._last = None
             self._position += 1
@@ -564,7 +598,7 @@ class ChatWork:
         runtime: Sampling = step.memory  # type: ignore[assignment]
         token = runtime.sample(self._sampler, done.result.batch_index)
         if runtime.is_eog(token):
-            self._end(step, "stop")
+            self._end(step.memory, step.seqs, "stop")
             return
         if self.plan.top_logprobs is not None:  # before the text event that carries this token
             logits = runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
@@ -575,9 +609,9 @@ class ChatWork:
         text, stop_hit = self._stops.push(self._decoder.decode(runtime.piece(token)))
         self._say(text)
         if stop_hit:
-            self._end(step, "stop", flush=False)
+            self._end(step.memory, step.seqs, "stop", flush=False)
         elif self._produced >= self.plan.max_tokens:
-            self._end(step, "length")
+            self._end(step.memory, step.seqs, "length")
         else:
             self._last = token
 
@@ -587,13 +621,19 @@ class ChatWork:
             if self._emit is not None:
                 self._emit(GenerationEvent(text=text))
 
-    def _end(self, step: Step, reason: FinishReason, *, flush: bool = True) -> None:
+    def stop_for_cells(self, memory: Memory, seqs: SeqPool) -> None:
+        """End now with finish_reason "length": the context has no cell left for its next token."""
+        if self._finish is None:
+            self._cut = True
+            self._end(memory, seqs, "length")
+
+    def _end(self, memory: Memory, seqs: SeqPool, reason: FinishReason, *, flush: bool = True) -> None:
         if flush:
             # Whatever was held back as a possible stop prefix (or an unfinished character) is text.
             text, stop_hit = self._stops.push(self._decoder.decode(b"", final=True))
             self._say(text if stop_hit else text + self._stops.flush())
         self._finish = reason
-        self._release(step.memory, step.seqs)
+        self._release(memory, seqs)
         if self._emit is not None:
             self._emit(GenerationEvent(finish_reason=reason, usage=self._usage()))
 
