@@ -80,6 +80,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
+    logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     @field_validator("temperature", "top_p", mode="before")
@@ -117,6 +118,8 @@ class ChatCompletionRequest(BaseModel):
             raise _unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         if self.tools or self.functions:
             raise _unsupported("tools", "tool and function calling are not supported")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "logit_bias is not supported")
         if self.response_format is not None:
             kind = self.response_format.get("type", "text")
             if kind not in RESPONSE_FORMATS:

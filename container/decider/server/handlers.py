@@ -34,7 +34,7 @@ from decider.schemas.chat import (
 )
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
-from decider.server.chat_parity import logprobs_of, with_chat_options
+from decider.server.chat_parity import check_stop, logprobs_of, with_chat_options
 from decider.server.runtime import Engine, ServerRuntime
 
 log = logging.getLogger("decider.server")
@@ -170,6 +170,7 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
 
     def prepare() -> tuple[ChatCompletionRequest, ChatPlan]:
         chat = parse_chat_request(body)
+        check_stop(chat, runtime.settings.max_stop_chars)
         plan = engine.chat_plan(
             chat.engine_messages(),
             max_tokens=_max_tokens(runtime, chat),
@@ -179,7 +180,8 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
             stop=chat.stop_list(),
             seed=chat.seed,
         )
-        return chat, with_chat_options(engine, chat, plan)  # response_format grammar, logprobs
+        # response_format grammar (its limits checked before it is built), logprobs
+        return chat, with_chat_options(engine, chat, plan, runtime.settings.grammar_limits)
 
     chat, plan = await asyncio.to_thread(prepare)
     if chat.stream:
