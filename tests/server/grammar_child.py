@@ -16,11 +16,10 @@ import sys
 import threading
 
 import llama_cpp
-from llama_cpp.llama_grammar import json_schema_to_gbnf
-
 from decider.engine import chat_options
 from decider.engine.bundled import smollm2_path
 from decider.engine.schema_limits import GrammarLimitError, GrammarLimits, check_grammar_text
+from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 
 def main() -> int:

@@ -19,10 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from server_helpers import assert_error_body
-
 from decider.engine import chat_options
 from decider.engine.schema_limits import (
     GrammarLimitError,
@@ -33,6 +29,10 @@ from decider.engine.schema_limits import (
     pattern_cost,
 )
 from decider.settings import Settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_helpers import assert_error_body
+
 from tools.local_server import LocalServer
 
 CHILD = Path(__file__).with_name("grammar_child.py")

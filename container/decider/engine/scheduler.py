@@ -206,8 +206,15 @@ class Scheduler:
         self._head: list[int] = []
         self._head_ready = False
         self.costs = CostModel()  # seconds per decode, fitted to the decodes timed so far (under _cond)
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.failure: str | None = None  # why the engine thread died (it never should)
+        self._thread = threading.Thread(target=self._guarded_loop, name="engine", daemon=True)
         self._thread.start()
+
+    @property
+    def engine_alive(self) -> bool:
+        """False once the engine thread has died: nothing admitted can ever finish (the server
+        reports unhealthy and exits)."""
+        return self._thread.is_alive() and self.failure is None
 
     # --- engine thread setup -------------------------------------------------------------------
     def submit_unscheduled(self, fn: Callable[[], T]) -> Future[T]:
@@ -375,6 +382,28 @@ class Scheduler:
             self._cond.notify()
 
     # --- the engine thread ---------------------------------------------------------------------
+    def _guarded_loop(self) -> None:
+        """The engine loop; if it ever dies, say why, refuse new work and fail what waits (503)."""
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.failure = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+            log.debug("the engine thread died", exc_info=True)  # the server logs the one line
+            error = UnavailableError(
+                f"the engine stopped ({self.failure}); the server is exiting",
+                code="engine_failed",
+                headers={"Retry-After": "1"},
+            )
+            with self._cond:
+                self._closed = True
+                works, self._works = self._works, []
+                control, self._control = self._control, []
+                self._admitted.clear()
+            for running in works:
+                _resolve(running.future, error=error)
+            for _, future in control:
+                _resolve(future, error=error)
+
     def _loop(self) -> None:
         lower_engine_thread_priority()
         while True:

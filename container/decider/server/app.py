@@ -218,12 +218,19 @@ def create_app(
         if on_fatal is not None:
             on_fatal(message)
 
+    def engine_failed(message: str) -> None:
+        log.error("engine failed: %s; exiting", message)
+        if on_fatal is not None:
+            on_fatal(message)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         runtime.start_loading(fatal)
+        watchdog = asyncio.ensure_future(runtime.watch_engine(engine_failed))
         try:
             yield
         finally:
+            watchdog.cancel()
             runtime.stop()
 
     async def ping(request: Request) -> Response:

@@ -114,18 +114,39 @@ class ServerRuntime:
 
         return asyncio.wrap_future(self.scheduler.submit_unscheduled(load))
 
+    async def watch_engine(self, on_fatal: Callable[[str], None], interval: float = 0.2) -> None:
+        """Until the server stops: if the engine thread dies, turn unhealthy (`/ping` 503: it
+        already is, from `ready`) and call `on_fatal(one_line)` once, so the process exits non-zero
+        and SageMaker replaces the instance instead of sending it traffic that can only time out."""
+        while self.state != "stopping":
+            failure = self.scheduler.failure
+            if failure is not None and self.state != "failed":
+                self.state = "failed"
+                self.failure = f"the engine thread died: {failure}"
+                self.metrics.model_ready.set(0)
+                on_fatal(self.failure)
+                return
+            await asyncio.sleep(interval)
+
     @property
     def ready(self) -> bool:
-        return self.state == "ready" and self.engine is not None
+        return self.state == "ready" and self.engine is not None and self.scheduler.engine_alive
 
     def require_engine(self) -> Engine:
-        if self.state == "ready" and self.engine is not None:
+        if self.ready:
+            assert self.engine is not None
             return self.engine
         if self.state == "stopping":
             raise shutting_down()
-        if self.state == "failed":
+        if self.state == "failed" and self.engine is None:
             raise UnavailableError(
                 f"the model failed to load: {self.failure}", code="model_unavailable", retryable=False
+            )
+        if self.engine is not None:  # ready, but the engine thread is gone: this instance is exiting
+            raise UnavailableError(
+                f"the engine thread died ({self.scheduler.failure}); the server is exiting, retry",
+                code="engine_failed",
+                headers={"Retry-After": "1"},
             )
         raise UnavailableError(
             "the model is still loading", code="model_unavailable", headers={"Retry-After": "2"}
