@@ -277,11 +277,7 @@ async def _stream_chat(
             job.cancel()
             return _Failure(deadline_error(job, deadline_seconds))
 
-    try:
-        first = await next_event()
-    except asyncio.CancelledError:
-        job.cancel()
-        raise
+    first = await _first_event_or_disconnect(request, job, next_event())
     if isinstance(first, _Failure):
         job.cancel()
         if isinstance(first.exc, ClientGoneError):
@@ -326,6 +322,26 @@ async def _stream_chat(
         yield "data: [DONE]\n\n"
 
     return _JobStream(job, sse())
+
+
+async def _first_event_or_disconnect(request: Request, job: Job, first: Any) -> Any:
+    """The stream's first event; while it is awaited (queued, prefilling) nothing is sent yet, so
+    only the connection says whether the client is still there: one that leaves cancels its job."""
+    event = asyncio.ensure_future(first)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({event, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        job.cancel()
+        event.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if event in done:
+        return event.result()
+    job.cancel()
+    event.cancel()
+    raise ClientDisconnectedError
 
 
 def _sse_data(body: dict[str, Any]) -> str:
