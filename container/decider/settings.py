@@ -217,6 +217,11 @@ class Settings(BaseSettings):
         description="Listen port; SageMaker's SAGEMAKER_BIND_TO_PORT wins.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    cpu_probe_cache: str = Field(
+        "/tmp/decider/cpu-variant.json",  # noqa: S108 - the container's own scratch space
+        description="Where the CPU-variant probe's verdict is cached (keyed by the CPU's flags, the "
+        "llama.cpp libraries and the model), so a restart on the same host skips the probe; empty: no cache.",
+    )
 
     @field_validator("api_key")
     @classmethod

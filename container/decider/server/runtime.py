@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from decider.engine.scheduler import Backend, Scheduler, shutting_down
@@ -53,12 +54,13 @@ def load_engine(settings: Settings) -> Engine:
     """The production loader: register llama.cpp backends (a GPU one when GPU layers are
     requested), then load and verify the GGUF."""
     from decider.engine import DecisionEngine
+    from decider.engine.ggml_backends import ensure_backends, require_gpu
     from decider.engine.modelfile import resolve_model_file, verify_sha256
-    from decider.server.ggml_backends import ensure_backends, require_gpu
 
     model = resolve_model_file(settings)
     verify_sha256(model, settings)  # before a CPU probe parses it (the digest is cached for the load)
-    backends = ensure_backends(model)
+    cache = Path(settings.cpu_probe_cache) if settings.cpu_probe_cache else None
+    backends = ensure_backends(model, cache=cache)
     log.info("llama.cpp backends: %s", backends.describe())
     require_gpu(backends, settings.n_gpu_layers, setting=settings.env_name("n_gpu_layers"))
     return DecisionEngine.load(settings)
