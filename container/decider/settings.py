@@ -191,6 +191,13 @@ class Settings(BaseSettings):
 
     # --- admission control ---------------------------------------------------------------
     queue_size: int = Field(16, ge=0, le=10_000, description="Requests waiting for the model; 429 beyond.")
+    parse_concurrency: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Request bodies read, parsed and planned at once (on low-priority threads); as many "
+        "more may wait before their body is read, 429 queue_full beyond (decider.server.intake).",
+    )
     deadline_seconds: float = Field(
         55.0, gt=0, le=3600, description="Wait plus work budget per request (SageMaker allows 60 s)."
     )

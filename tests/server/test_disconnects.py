@@ -13,12 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from decider.server.app import create_app
 from decider.settings import Settings
 from server_fakes import FakeEngine
-
-from tools.local_server import free_port
+from server_helpers import serve_in_thread
 
 DECISION = {"state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -40,24 +38,11 @@ def held_server() -> Iterator[tuple[str, Any, threading.Event]]:
     gate = threading.Event()
     engine = FakeEngine(gate=gate)
     app = create_app(Settings(model_path="/nonexistent/model.gguf"), loader=lambda _: engine)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/ping", timeout=1).status_code == 200:
-                break
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    try:
-        yield base, app.state.runtime, gate
-    finally:
-        gate.set()
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(app) as base:
+        try:
+            yield base, app.state.runtime, gate
+        finally:
+            gate.set()
 
 
 def _live_jobs(runtime: Any, kind: str | None = None) -> list[Any]:

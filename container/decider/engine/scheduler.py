@@ -53,7 +53,10 @@ from decider.errors import (
 
 log = logging.getLogger("decider.server")
 T = TypeVar("T")
-ENGINE_NICENESS = 10  # how much lower the engine thread's CPU priority is than the HTTP loop's
+# How much lower the engine thread's CPU priority is than the HTTP loop's: below the loop (so /ping
+# answers at once), above the threads that parse and plan request bodies (decider.server.intake,
+# PARSE_NICENESS = 15), so a flood of bodies to refuse never slows the model's work down.
+ENGINE_NICENESS = 5
 MAX_RETRY_AFTER_SECONDS = 60
 # A 504 after waiting at least this share of the deadline in the queue may succeed on a retry; one
 # whose work had the model nearly all along would only time out again.
@@ -259,17 +262,8 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise shutting_down()
-            waiting = sum(1 for job in self._admitted if job.started_at is None)
             predicted_wait = self._seconds_ahead_locked()
-            if self._admitted and waiting >= self.queue_size:
-                self._metrics.rejections.labels("queue_full").inc()
-                retry_after = _retry_after(predicted_wait)
-                raise OverloadedError(
-                    f"{self.queue_size} requests are already waiting for the model (DECIDER_QUEUE_SIZE); "
-                    f"retry after {retry_after} s",
-                    code="queue_full",
-                    headers={"Retry-After": str(retry_after)},
-                )
+            self._refuse_when_full_locked(predicted_wait)
             own = self.costs.predict(least) if least.tokens else None
             if own is not None:
                 if own > REFUSE_FACTOR * self.deadline_seconds:
@@ -295,6 +289,27 @@ class Scheduler:
             self._admitted.add(job)
             self._update_gauges_locked()
         return job
+
+    def refuse_when_full(self) -> None:
+        """The queue-full test of `admit`, alone: the HTTP layer asks it before reading a body."""
+        with self._cond:
+            if self._closed:
+                raise shutting_down()
+            self._refuse_when_full_locked(None)
+
+    def _refuse_when_full_locked(self, predicted_wait: float | None) -> None:
+        waiting = sum(1 for job in self._admitted if job.started_at is None)
+        if self._admitted and waiting >= self.queue_size:
+            self._metrics.rejections.labels("queue_full").inc()
+            if predicted_wait is None:
+                predicted_wait = self._seconds_ahead_locked()
+            retry_after = _retry_after(predicted_wait)
+            raise OverloadedError(
+                f"{self.queue_size} requests are already waiting for the model (DECIDER_QUEUE_SIZE); "
+                f"retry after {retry_after} s",
+                code="queue_full",
+                headers={"Retry-After": str(retry_after)},
+            )
 
     def enqueue(self, kind: str, request_id: str, work: Work, *, arrived_at: float | None = None) -> Job:
         """Admit and submit in one call, so no cancellation can fall between the two (a job admitted

@@ -243,12 +243,32 @@ def create_app(
             body.update(exc.to_wire())
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
+    @asynccontextmanager
+    async def intake(request: Request) -> AsyncIterator[None]:
+        """What can be refused is refused before the body is read (model not ready, queue full);
+        then a place in intake, from the first byte read to the end of planning."""
+        runtime.require_engine()
+        runtime.scheduler.refuse_when_full()
+        async with runtime.intake.slot() as release:
+            request.state.release_intake = release
+            yield
+
+    async def payload(request: Request) -> Any:
+        return await read_payload(request, limit, runtime.intake.run)
+
     async def invocations(request: Request) -> Response:
         if is_jsonlines(request.headers.get("content-type")):  # Batch Transform: one record per line
             return await handle_jsonlines(runtime, request)
         attributes = parse_custom_attributes(request.headers.get(CUSTOM_ATTRIBUTES_HEADER))
         target = target_from_attributes(attributes)  # an unknown route fails before the body is read
-        body = await read_payload(request, limit)
+        if target == "models":  # by `route=` only: no body to read
+            request.state.invocation_target = TARGET_PATHS["models"]
+            runtime.metrics.invocation_targets.labels(TARGET_PATHS["models"]).inc()
+            return await models(request)
+        async with intake(request):
+            return await _invoke(request, target, await payload(request))
+
+    async def _invoke(request: Request, target: Any, body: Any) -> Response:
         if target is None:
             target = target_from_body(body)
         path = TARGET_PATHS[target]
@@ -260,21 +280,23 @@ def create_app(
             return await handle_batch(runtime, request, body)
         if target == "openai_decision":
             return await handle_openai_decision(runtime, request, body)
-        if target == "models":
-            return await models(request)
         return await handle_chat(runtime, request, body)
 
     async def systemone(request: Request) -> Response:
-        return await handle_decision(runtime, request, await read_payload(request, limit))
+        async with intake(request):
+            return await handle_decision(runtime, request, await payload(request))
 
     async def systemone_batch(request: Request) -> Response:
-        return await handle_batch(runtime, request, await read_payload(request, limit))
+        async with intake(request):
+            return await handle_batch(runtime, request, await payload(request))
 
     async def decisions(request: Request) -> Response:
-        return await handle_openai_decision(runtime, request, await read_payload(request, limit))
+        async with intake(request):
+            return await handle_openai_decision(runtime, request, await payload(request))
 
     async def chat_completions(request: Request) -> Response:
-        return await handle_chat(runtime, request, await read_payload(request, limit))
+        async with intake(request):
+            return await handle_chat(runtime, request, await payload(request))
 
     async def models(request: Request) -> Response:
         engine = runtime.require_engine()

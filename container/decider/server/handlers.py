@@ -35,6 +35,7 @@ from decider.schemas.chat import (
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
 from decider.server.chat_parity import check_stop, logprobs_of, with_chat_options
+from decider.server.intake import release_intake
 from decider.server.runtime import Engine, ServerRuntime
 
 log = logging.getLogger("decider.server")
@@ -143,7 +144,8 @@ async def execute_decision(
 ) -> Any:
     """The one decision path behind every decision route: plan (validate and tokenize) on a worker
     thread, admit by token count, run batched on the engine thread, count tokens."""
-    plan = await asyncio.to_thread(prepare)  # parsing and tokenizing never block the event loop
+    plan = await runtime.intake.run(prepare)  # parsing and tokenizing never block the event loop
+    release_intake(request)
     response = await run_until_disconnect(runtime, request, "decision", engine.decision_work(plan))
     runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
     return response
@@ -183,7 +185,8 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
         # response_format grammar (its limits checked before it is built), logprobs
         return chat, with_chat_options(engine, chat, plan, runtime.settings.grammar_limits)
 
-    chat, plan = await asyncio.to_thread(prepare)
+    chat, plan = await runtime.intake.run(prepare)
+    release_intake(request)
     if chat.stream:
         return await _stream_chat(runtime, request, engine, chat, plan)
     work = ChatWork(plan)

@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 
 from decider.engine.scheduler import Backend, Scheduler, shutting_down
 from decider.errors import StartupError, UnavailableError
+from decider.server.intake import Intake
 from decider.server.metrics import ServerMetrics
 from decider.settings import Settings
 
@@ -84,6 +85,7 @@ class ServerRuntime:
             metrics=self.metrics,
             epoch_cells=settings.epoch_limit,
         )
+        self.intake = Intake(settings.parse_concurrency)
         self._loader = loader
         self.state: State = "loading"
         self.engine: Engine | None = None
@@ -161,3 +163,4 @@ class ServerRuntime:
         self.state = "stopping"
         self.metrics.model_ready.set(0)
         self.scheduler.close()
+        self.intake.close()
