@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decider.engine.scheduler import shutting_down
 from decider.errors import AuthenticationError, DeciderError, NotFoundError, RequestError, internal_error
+from decider.schemas.openapi import openapi_document
 from decider.server.batch_transform import handle_execution_parameters, handle_jsonlines, is_jsonlines
 from decider.server.body import read_payload
 from decider.server.handlers import (
@@ -327,6 +328,9 @@ def create_app(
     async def execution_parameters(request: Request) -> Response:
         return await handle_execution_parameters(runtime.settings)
 
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_document())
+
     async def metrics(request: Request) -> Response:
         content, media_type = runtime.metrics.render()
         return Response(content, media_type=media_type)
@@ -341,6 +345,7 @@ def create_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/execution-parameters", execution_parameters, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
