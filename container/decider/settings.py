@@ -195,7 +195,7 @@ class Settings(BaseSettings):
         2,
         ge=1,
         le=64,
-        description="Request bodies read, parsed and planned at once (on low-priority threads); as many "
+        description="Request bodies read, parsed and planned at once (on low-priority threads); queue_size "
         "more may wait before their body is read, 429 queue_full beyond (decider.server.intake).",
     )
     deadline_seconds: float = Field(

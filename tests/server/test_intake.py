@@ -92,7 +92,7 @@ def test_a_full_queue_is_429_before_the_body_is_read() -> None:
 
 
 def test_bodies_in_intake_are_bounded() -> None:
-    with _server(parse_concurrency=1) as (base, _runtime, gate):
+    with _server(parse_concurrency=1, queue_size=1) as (base, _runtime, gate):
         gate.set()
         first = _open_body(base)  # holds the one intake place while its body trickles in
         second = _open_body(base)  # waits for that place, its body unread

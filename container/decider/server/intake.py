@@ -8,7 +8,7 @@ So:
 
 - before a byte of the body is read, a full queue is 429 `queue_full` with `Retry-After` at once
   (`Scheduler.refuse_when_full`), and so is a request that finds `DECIDER_PARSE_CONCURRENCY` bodies in
-  intake and as many again waiting for a place;
+  intake and `DECIDER_QUEUE_SIZE` more waiting for a place (waiting costs no memory: the body is unread);
 - at most `DECIDER_PARSE_CONCURRENCY` requests are between the first byte of their body and the end of
   their planning at once; the others wait before reading (TCP holds their bytes, not this process);
 - parsing and planning run on this module's own threads, at `PARSE_NICENESS` below the HTTP loop
@@ -42,8 +42,9 @@ def lower_parse_thread_priority() -> None:
 class Intake:
     """The request bodies in intake (read, parsed, planned) and the threads that parse them."""
 
-    def __init__(self, concurrency: int) -> None:
+    def __init__(self, concurrency: int, max_waiting: int) -> None:
         self.concurrency = concurrency
+        self.max_waiting = max(1, max_waiting)
         self._slots = asyncio.Semaphore(concurrency)
         self._waiting = 0
         self._pool = ThreadPoolExecutor(
@@ -54,10 +55,10 @@ class Intake:
     async def slot(self) -> AsyncIterator[Callable[[], None]]:
         """A place in intake, for reading the body up to the end of planning; yields `release`,
         which the handler calls once its work is planned (the slot is released on exit anyway)."""
-        if self._slots.locked() and self._waiting >= self.concurrency:
+        if self._slots.locked() and self._waiting >= self.max_waiting:
             raise OverloadedError(
-                f"{self.concurrency} request bodies are being parsed and as many wait for their turn "
-                "(DECIDER_PARSE_CONCURRENCY); retry shortly",
+                f"{self.concurrency} request bodies are being parsed (DECIDER_PARSE_CONCURRENCY) and "
+                f"{self._waiting} more wait for their turn (DECIDER_QUEUE_SIZE); retry shortly",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )

@@ -85,7 +85,7 @@ class ServerRuntime:
             metrics=self.metrics,
             epoch_cells=settings.epoch_limit,
         )
-        self.intake = Intake(settings.parse_concurrency)
+        self.intake = Intake(settings.parse_concurrency, max_waiting=settings.queue_size)
         self._loader = loader
         self.state: State = "loading"
         self.engine: Engine | None = None
