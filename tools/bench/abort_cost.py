@@ -45,14 +45,16 @@ def busy_parser(active: bool) -> Iterator[None]:
             thread.join()
 
 
-def time_decodes(runtime: LlamaRuntime, tokens: list[int], repeats: int, decode: Callable[[], None]) -> float:
-    samples = []
+def time_ways(runtime: LlamaRuntime, repeats: int, ways: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Median seconds per way, the ways interleaved in every round (a shared machine drifts)."""
+    samples: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
-        runtime.clear()
-        started = time.perf_counter()
-        decode()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+        for name, decode in ways.items():
+            runtime.clear()
+            started = time.perf_counter()
+            decode()
+            samples[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> None:
@@ -85,7 +87,7 @@ def main() -> None:
     ways = {"no check": unchecked, "native flag": native, "python callback": python_callback}
     for busy in (False, True):
         with busy_parser(busy):
-            results = {name: time_decodes(runtime, tokens, args.repeats, fn) for name, fn in ways.items()}
+            results = time_ways(runtime, args.repeats, ways)
         base = results["no check"]
         label = "another thread parsing JSON" if busy else "alone"
         print(f"{len(tokens)}-token decode, {args.threads} threads, {label}:")
