@@ -48,3 +48,11 @@ def test_a_disarmed_flag_stays_down() -> None:
     flag.disarm()
     time.sleep(0.05)
     assert not flag.raised and len(calls) <= 2
+
+
+def test_closing_ends_the_watcher() -> None:
+    flag = AbortFlag()
+    flag.arm(lambda: False)
+    flag.close()
+    flag._watcher.join(1.0)
+    assert not flag._watcher.is_alive()

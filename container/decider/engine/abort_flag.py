@@ -30,6 +30,7 @@ class AbortFlag:
         self.data = ctypes.cast(self._buffer, ctypes.c_void_p)
         self._poll = poll_seconds
         self._check: Callable[[], bool] | None = None
+        self._closed = False
         self._cond = threading.Condition()
         self._watcher = threading.Thread(target=self._watch, name="decode-abort", daemon=True)
         self._watcher.start()
@@ -50,12 +51,22 @@ class AbortFlag:
         with self._cond:
             self._check = None
 
+    def close(self) -> None:
+        """End the watcher thread (the context is freed)."""
+        with self._cond:
+            self._closed = True
+            self._check = None
+            self._cond.notify()
+
     def _watch(self) -> None:
         while True:
             with self._cond:
-                while self._check is None:
+                while self._check is None and not self._closed:
                     self._cond.wait()
+                if self._closed:
+                    return
                 check = self._check
+            assert check is not None
             stop = bool(check())
             with self._cond:
                 if stop and self._check is check:

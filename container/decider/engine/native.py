@@ -377,6 +377,8 @@ class LlamaRuntime:
 
     # --- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
+        if getattr(self, "_abort", None) is not None:
+            self._abort.close()
         if getattr(self, "_ctx", None):
             llama_cpp.llama_batch_free(self._batch)
             llama_cpp.llama_free(self._ctx)
