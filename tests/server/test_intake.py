@@ -125,3 +125,16 @@ def test_parsing_runs_below_the_engine_which_runs_below_the_http_loop() -> None:
         assert nice(threads["engine"]) == min(19, base_nice + ENGINE_NICENESS)
         assert all(nice(tid) == min(19, base_nice + PARSE_NICENESS) for tid in intake)
         assert base_nice < nice(threads["engine"]) < nice(intake[0]) or base_nice + ENGINE_NICENESS >= 19
+
+
+def test_a_client_that_leaves_while_its_body_is_read_is_no_server_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with _server() as (base, runtime, gate):
+        gate.set()
+        sock = _open_body(base, declared=1000)
+        time.sleep(0.2)
+        sock.close()  # gone with 999 bytes of its body unsent
+        _wait_until(lambda: runtime.metrics.requests.labels("/v1/systemone", "499")._value.get() == 1)
+        assert httpx.post(f"{base}/v1/systemone", json=DECISION, timeout=10).status_code == 200
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

@@ -29,7 +29,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -358,6 +358,7 @@ def create_app(
             DeciderError: _on_decider_error,
             HTTPException: _on_http_exception,
             ClientDisconnectedError: _on_client_disconnected,
+            ClientDisconnect: _on_client_disconnected,  # gone while its body was being read
         },
     )
     app.state.runtime = runtime
