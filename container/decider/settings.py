@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from decider.engine.invariance import MAX_INVARIANT_UBATCH, BatchPolicy
+from decider.engine.schema_limits import GrammarLimits
 
 ENV_PREFIX = "DECIDER_"
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
@@ -150,9 +151,55 @@ class Settings(BaseSettings):
     max_batch_states: int = Field(64, ge=1, le=1024, description="States per /v1/systemone/batch request.")
     max_state_tokens: PositiveInt = Field(6144, description="Tokens of the state (evidence) alone.")
     max_chat_tokens: PositiveInt = Field(1024, description="Largest chat max_tokens accepted.")
+    max_stop_chars: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="Characters per chat `stop` string (each is searched for after every token).",
+    )
+
+    # --- chat response_format limits (decider.engine.schema_limits; 422 response_format_too_complex) ---
+    max_schema_bytes: int = Field(
+        GrammarLimits.schema_bytes,
+        ge=256,
+        le=SAGEMAKER_MAX_BODY_BYTES,
+        description="Bytes of one JSON schema.",
+    )
+    max_schema_repetition: int = Field(
+        GrammarLimits.repetition,
+        ge=1,
+        le=16384,
+        description="minLength/maxLength/minItems/maxItems and pattern quantifiers of one schema, added up.",
+    )
+    max_schema_optional_properties: int = Field(
+        GrammarLimits.optional_properties,
+        ge=1,
+        le=512,
+        description="Optional properties of one object (llama.cpp's converter does quadratic work on them).",
+    )
+    max_grammar_bytes: int = Field(
+        GrammarLimits.grammar_bytes,
+        ge=1024,
+        le=4 * 1024 * 1024,
+        description="Bytes of the GBNF made from a schema.",
+    )
+    max_grammar_depth: int = Field(
+        GrammarLimits.grammar_depth,
+        ge=8,
+        le=2048,
+        description="Nesting of groups in that GBNF. llama.cpp's parser recurses per level without a limit "
+        "(~480 bytes of stack each: ~17,000 levels crash an 8 MiB thread stack); the default is a sixteenth.",
+    )
 
     # --- admission control ---------------------------------------------------------------
     queue_size: int = Field(16, ge=0, le=10_000, description="Requests waiting for the model; 429 beyond.")
+    parse_concurrency: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Request bodies read, parsed and planned at once (on low-priority threads); queue_size "
+        "more may wait before their body is read, 429 queue_full beyond (decider.server.intake).",
+    )
     deadline_seconds: float = Field(
         55.0, gt=0, le=3600, description="Wait plus work budget per request (SageMaker allows 60 s)."
     )
@@ -179,6 +226,11 @@ class Settings(BaseSettings):
         description="Listen port; SageMaker's SAGEMAKER_BIND_TO_PORT wins.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    cpu_probe_cache: str = Field(
+        "/tmp/decider/cpu-variant.json",  # noqa: S108 - the container's own scratch space
+        description="Where the CPU-variant probe's verdict is cached (keyed by the CPU's flags, the "
+        "llama.cpp libraries and the model), so a restart on the same host skips the probe; empty: no cache.",
+    )
 
     @field_validator("api_key")
     @classmethod
@@ -234,6 +286,17 @@ class Settings(BaseSettings):
     def batch_policy(self) -> BatchPolicy:
         """How decodes are cut and what the context reserves for it (the one owner of those rules)."""
         return BatchPolicy(self.batch_invariant, self.logical_batch, self.micro_batch, self.n_seq_max)
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        """The response_format limits, as decider.engine.schema_limits takes them."""
+        return GrammarLimits(
+            schema_bytes=self.max_schema_bytes,
+            repetition=self.max_schema_repetition,
+            optional_properties=self.max_schema_optional_properties,
+            grammar_bytes=self.max_grammar_bytes,
+            grammar_depth=self.max_grammar_depth,
+        )
 
     def temperature_for(self, question_type: QuestionType) -> float:
         """The readout temperature for one question type (its override, else the global one)."""

@@ -353,9 +353,10 @@ def test_a_refused_decode_leaves_the_recurrent_state_untouched(qwen35_path: Path
 def test_a_cancelled_decode_stops_inside_llama_decode_and_leaves_the_engine_clean(
     engine: DecisionEngine, hybrid: tuple[DecisionEngine, DecodeLog]
 ) -> None:
-    """The caller goes away while its decode runs: llama.cpp's abort callback stops the decode between
-    graph nodes (halfway through the work's checks), the work's sequences go whole, recurrent states
-    with them, and the same request then answers as before, bitwise."""
+    """The caller goes away while its decode runs: llama.cpp's (native) abort flag stops the decode
+    between graph nodes (halfway through the work's checks, which its watcher makes every few
+    milliseconds while a decode runs), the work's sequences go whole, recurrent states with them,
+    and the same request then answers as before, bitwise."""
     log = hybrid[1]
     fresh = {**CASE, "mode": "fresh"}
     real = log.real
@@ -375,7 +376,7 @@ def test_a_cancelled_decode_stops_inside_llama_decode_and_leaves_the_engine_clea
     try:
         before = decide(engine, fresh).to_wire()
         total, checks[:] = len(checks), []
-        cancel["job"], cancel["at"] = engine._local.admit("decision", uuid.uuid4().hex), total // 2
+        cancel["job"], cancel["at"] = engine._local.admit("decision", uuid.uuid4().hex), max(1, total // 2)
         started = time.monotonic()
         work = engine.decision_work(engine.plan_decision(parse_decision_request(fresh)))
         future = engine._local.submit(cancel["job"], work)
@@ -383,7 +384,7 @@ def test_a_cancelled_decode_stops_inside_llama_decode_and_leaves_the_engine_clea
         assert time.monotonic() - started < 5
     finally:
         log.real = real  # type: ignore[assignment]
-    assert total > 100 and total // 2 <= len(checks) < total  # stopped soon after it was cancelled
+    assert total >= 2 and cancel["at"] <= len(checks) < total  # stopped soon after it was cancelled
     assert log.outcomes[-1] == DecodeAbortedError.__name__
     log.outcomes.pop()
     assert decide(engine, fresh).to_wire() == before

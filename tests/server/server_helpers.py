@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
+import uvicorn
 
-from tools.local_server import BASE_URL_ENV, remote_server
+from tools.local_server import BASE_URL_ENV, free_port, remote_server
 
 # For tests that start a server with settings of their own (a tiny queue, a broken model, SIGTERM):
 # they cannot run against the one server named by DECIDER_TEST_BASE_URL.
@@ -55,3 +61,26 @@ def assert_error_body(body: Any, code: str | None = None, *, status: int | None 
         assert detail == {"error_type": error["code"], "message": error["message"]}, body
     if code is not None:
         assert error["code"] == code, body
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """The real uvicorn server on `app` in this process (a fake engine's state stays readable);
+    yields its base URL once `/ping` is 200."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/ping", timeout=1).status_code == 200:
+                break
+        assert time.monotonic() < deadline, "the in-process server never became ready"
+        time.sleep(0.02)
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -24,6 +24,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
+from decider.engine.schema_limits import GrammarLimits, check_grammar_text, check_schema
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
@@ -31,12 +33,18 @@ class GrammarError(ValueError):
     """A response format llama.cpp's grammar support cannot use."""
 
 
-def schema_grammar(schema: dict[str, Any]) -> str:
-    """GBNF for a JSON schema (llama.cpp's converter); GrammarError when it cannot convert it."""
+def schema_grammar(schema: dict[str, Any], limits: GrammarLimits | None = None) -> str:
+    """GBNF for a JSON schema (llama.cpp's converter); GrammarError when it cannot convert it,
+    GrammarLimitError (before the converter runs, or before llama.cpp parses its output) when the
+    schema or its grammar is beyond `limits` (decider.engine.schema_limits)."""
+    limits = limits or GrammarLimits()
+    check_schema(schema, limits)
     try:
-        return json_schema_to_gbnf(json.dumps(schema))
+        grammar = json_schema_to_gbnf(json.dumps(schema))
     except Exception as exc:  # the converter asserts and raises KeyError/ValueError on what it cannot do
         raise GrammarError(f"llama.cpp cannot turn this JSON schema into a grammar: {exc}") from None
+    check_grammar_text(grammar, limits)
+    return grammar
 
 
 def json_object_grammar() -> str:

@@ -22,6 +22,7 @@ import llama_cpp
 import llama_cpp._logger as llama_logger
 import numpy as np
 
+from decider.engine.abort_flag import AbortFlag
 from decider.engine.invariance import BatchPolicy
 
 # llama.cpp logs every tensor at load; keep errors only (the engine reports its own summary).
@@ -172,10 +173,10 @@ class LlamaRuntime:
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self._batch = llama_cpp.llama_batch_init(policy.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
-        # The abort callback runs between graph nodes; `_should_abort` is set per decode.
-        self._should_abort: Callable[[], bool] | None = None
-        self._abort_cb = llama_cpp.ggml_abort_callback(self._abort_requested)
-        llama_cpp.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+        # The abort callback runs between graph nodes, on the compute threads: a native flag read
+        # there needs no interpreter lock (decider.engine.abort_flag); a watcher sets it.
+        self._abort = AbortFlag()
+        llama_cpp.llama_set_abort_callback(self._ctx, self._abort.callback, self._abort.data)
 
     # --- model metadata ------------------------------------------------------------------
     def meta(self, key: str) -> str | None:
@@ -288,10 +289,6 @@ class LlamaRuntime:
             raise NativeError(f"could not remove sequence {seq_id}")
 
     # --- decoding ------------------------------------------------------------------------------
-    def _abort_requested(self, _data: Any) -> bool:
-        check = self._should_abort
-        return bool(check is not None and check())
-
     def decode(self, rows: Sequence[Row], *, should_abort: Callable[[], bool] | None = None) -> None:
         """Append every row's tokens to its sequence in ONE llama_decode (at most the policy's
         `step_tokens`) and read each row's `output` into `row.result`.
@@ -330,11 +327,11 @@ class LlamaRuntime:
             batch.logits[n] = 0
             n += 1
         batch.n_tokens = n
-        self._should_abort = should_abort
+        self._abort.arm(should_abort)
         try:
             status = llama_cpp.llama_decode(self._ctx, batch)
         finally:
-            self._should_abort = None
+            self._abort.disarm()
             if padded:
                 self.seq_remove(pad_seq)  # type: ignore[arg-type]
         if status == 1:
@@ -380,6 +377,8 @@ class LlamaRuntime:
 
     # --- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
+        if getattr(self, "_abort", None) is not None:
+            self._abort.close()
         if getattr(self, "_ctx", None):
             llama_cpp.llama_batch_free(self._batch)
             llama_cpp.llama_free(self._ctx)

@@ -60,7 +60,10 @@ from decider.errors import (
 
 log = logging.getLogger("decider.server")
 T = TypeVar("T")
-ENGINE_NICENESS = 10  # how much lower the engine thread's CPU priority is than the HTTP loop's
+# How much lower the engine thread's CPU priority is than the HTTP loop's: below the loop (so /ping
+# answers at once), above the threads that parse and plan request bodies (decider.server.intake,
+# PARSE_NICENESS = 15), so a flood of bodies to refuse never slows the model's work down.
+ENGINE_NICENESS = 5
 MAX_RETRY_AFTER_SECONDS = 60
 # A 504 after waiting at least this share of the deadline in the queue may succeed on a retry; one
 # whose work had the model nearly all along would only time out again.
@@ -219,8 +222,15 @@ class Scheduler:
         self._step_tokens = DEFAULT_STEP_TOKENS  # the backend's, once attached
         self._in_flight: tuple[float, Cost] | None = None  # the decode running: (started, its cost)
         self._cells_claimed = 0  # what the first unit waiting for cells needs (chats leave it free)
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.failure: str | None = None  # why the engine thread died (it never should)
+        self._thread = threading.Thread(target=self._guarded_loop, name="engine", daemon=True)
         self._thread.start()
+
+    @property
+    def engine_alive(self) -> bool:
+        """False once the engine thread has died: nothing admitted can ever finish (the server
+        reports unhealthy and exits)."""
+        return self._thread.is_alive() and self.failure is None
 
     # --- engine thread setup -------------------------------------------------------------------
     def submit_unscheduled(self, fn: Callable[[], T]) -> Future[T]:
@@ -266,18 +276,9 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise shutting_down()
-            waiting = sum(1 for job in self._admitted if job.started_at is None)
             ahead = self._ahead_locked(now)
             predicted_wait = self._busy_seconds_locked(ahead, now)
-            if self._admitted and waiting >= self.queue_size:
-                self._metrics.rejections.labels("queue_full").inc()
-                retry_after = _retry_after(predicted_wait)
-                raise OverloadedError(
-                    f"{self.queue_size} requests are already waiting for the model (DECIDER_QUEUE_SIZE); "
-                    f"retry after {retry_after} s",
-                    code="queue_full",
-                    headers={"Retry-After": str(retry_after)},
-                )
+            self._refuse_when_full_locked(predicted_wait)
             own = self.costs.predict(least) if least.tokens else None
             estimate = None
             if own is not None:
@@ -305,6 +306,28 @@ class Scheduler:
             self._admitted.add(job)
             self._update_gauges_locked()
         return job
+
+    def refuse_when_full(self) -> None:
+        """The queue-full test of `admit`, alone: the HTTP layer asks it before reading a body."""
+        with self._cond:
+            if self._closed:
+                raise shutting_down()
+            self._refuse_when_full_locked(None)
+
+    def _refuse_when_full_locked(self, predicted_wait: float | None) -> None:
+        waiting = sum(1 for job in self._admitted if job.started_at is None)
+        if self._admitted and waiting >= self.queue_size:
+            self._metrics.rejections.labels("queue_full").inc()
+            if predicted_wait is None:
+                now = time.monotonic()
+                predicted_wait = self._busy_seconds_locked(self._ahead_locked(now), now)
+            retry_after = _retry_after(predicted_wait)
+            raise OverloadedError(
+                f"{self.queue_size} requests are already waiting for the model (DECIDER_QUEUE_SIZE); "
+                f"retry after {retry_after} s",
+                code="queue_full",
+                headers={"Retry-After": str(retry_after)},
+            )
 
     def enqueue(self, kind: str, request_id: str, work: Work, *, arrived_at: float | None = None) -> Job:
         """Admit and submit in one call, so no cancellation can fall between the two (a job admitted
@@ -412,6 +435,28 @@ class Scheduler:
             self._cond.notify()
 
     # --- the engine thread ---------------------------------------------------------------------
+    def _guarded_loop(self) -> None:
+        """The engine loop; if it ever dies, say why, refuse new work and fail what waits (503)."""
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.failure = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]
+            log.debug("the engine thread died", exc_info=True)  # the server logs the one line
+            error = UnavailableError(
+                f"the engine stopped ({self.failure}); the server is exiting",
+                code="engine_failed",
+                headers={"Retry-After": "1"},
+            )
+            with self._cond:
+                self._closed = True
+                works, self._works = self._works, []
+                control, self._control = self._control, []
+                self._admitted.clear()
+            for running in works:
+                _resolve(running.future, error=error)
+            for _, future in control:
+                _resolve(future, error=error)
+
     def _loop(self) -> None:
         lower_engine_thread_priority()
         while True:

@@ -28,7 +28,7 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 class ChatMessage(BaseModel):
     """One message; `content` is a string or a list of text parts (joined with no separator)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # as documented: 0 is no boolean
 
     role: Role
     content: str | None = None
@@ -55,7 +55,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # as documented: 0 is no boolean
 
     include_usage: bool = False
 
@@ -63,23 +63,25 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     """`POST /v1/chat/completions` body. `model` is optional and any value is accepted."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # as documented: 0 is no boolean
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    # null means the default for these (clients send it), hence `| None` in the documented schema
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: int | None = Field(1, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
+    logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     @field_validator("temperature", "top_p", mode="before")
@@ -117,6 +119,8 @@ class ChatCompletionRequest(BaseModel):
             raise _unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         if self.tools or self.functions:
             raise _unsupported("tools", "tool and function calling are not supported")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "logit_bias is not supported")
         if self.response_format is not None:
             kind = self.response_format.get("type", "text")
             if kind not in RESPONSE_FORMATS:

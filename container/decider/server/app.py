@@ -29,13 +29,14 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from decider.engine.scheduler import shutting_down
 from decider.errors import AuthenticationError, DeciderError, NotFoundError, RequestError, internal_error
+from decider.schemas.openapi import openapi_document
 from decider.server.batch_transform import handle_execution_parameters, handle_jsonlines, is_jsonlines
 from decider.server.body import read_payload
 from decider.server.handlers import (
@@ -218,12 +219,19 @@ def create_app(
         if on_fatal is not None:
             on_fatal(message)
 
+    def engine_failed(message: str) -> None:
+        log.error("engine failed: %s; exiting", message)
+        if on_fatal is not None:
+            on_fatal(message)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         runtime.start_loading(fatal)
+        watchdog = asyncio.ensure_future(runtime.watch_engine(engine_failed))
         try:
             yield
         finally:
+            watchdog.cancel()
             runtime.stop()
 
     async def ping(request: Request) -> Response:
@@ -236,12 +244,32 @@ def create_app(
             body.update(exc.to_wire())
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
+    @asynccontextmanager
+    async def intake(request: Request) -> AsyncIterator[None]:
+        """What can be refused is refused before the body is read (model not ready, queue full);
+        then a place in intake, from the first byte read to the end of planning."""
+        runtime.require_engine()
+        runtime.scheduler.refuse_when_full()
+        async with runtime.intake.slot() as release:
+            request.state.release_intake = release
+            yield
+
+    async def payload(request: Request) -> Any:
+        return await read_payload(request, limit, runtime.intake.run)
+
     async def invocations(request: Request) -> Response:
         if is_jsonlines(request.headers.get("content-type")):  # Batch Transform: one record per line
             return await handle_jsonlines(runtime, request)
         attributes = parse_custom_attributes(request.headers.get(CUSTOM_ATTRIBUTES_HEADER))
         target = target_from_attributes(attributes)  # an unknown route fails before the body is read
-        body = await read_payload(request, limit)
+        if target == "models":  # by `route=` only: no body to read
+            request.state.invocation_target = TARGET_PATHS["models"]
+            runtime.metrics.invocation_targets.labels(TARGET_PATHS["models"]).inc()
+            return await models(request)
+        async with intake(request):
+            return await _invoke(request, target, await payload(request))
+
+    async def _invoke(request: Request, target: Any, body: Any) -> Response:
         if target is None:
             target = target_from_body(body)
         path = TARGET_PATHS[target]
@@ -253,21 +281,23 @@ def create_app(
             return await handle_batch(runtime, request, body)
         if target == "openai_decision":
             return await handle_openai_decision(runtime, request, body)
-        if target == "models":
-            return await models(request)
         return await handle_chat(runtime, request, body)
 
     async def systemone(request: Request) -> Response:
-        return await handle_decision(runtime, request, await read_payload(request, limit))
+        async with intake(request):
+            return await handle_decision(runtime, request, await payload(request))
 
     async def systemone_batch(request: Request) -> Response:
-        return await handle_batch(runtime, request, await read_payload(request, limit))
+        async with intake(request):
+            return await handle_batch(runtime, request, await payload(request))
 
     async def decisions(request: Request) -> Response:
-        return await handle_openai_decision(runtime, request, await read_payload(request, limit))
+        async with intake(request):
+            return await handle_openai_decision(runtime, request, await payload(request))
 
     async def chat_completions(request: Request) -> Response:
-        return await handle_chat(runtime, request, await read_payload(request, limit))
+        async with intake(request):
+            return await handle_chat(runtime, request, await payload(request))
 
     async def models(request: Request) -> Response:
         engine = runtime.require_engine()
@@ -298,6 +328,9 @@ def create_app(
     async def execution_parameters(request: Request) -> Response:
         return await handle_execution_parameters(runtime.settings)
 
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_document())
+
     async def metrics(request: Request) -> Response:
         content, media_type = runtime.metrics.render()
         return Response(content, media_type=media_type)
@@ -312,6 +345,7 @@ def create_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/execution-parameters", execution_parameters, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
@@ -324,6 +358,7 @@ def create_app(
             DeciderError: _on_decider_error,
             HTTPException: _on_http_exception,
             ClientDisconnectedError: _on_client_disconnected,
+            ClientDisconnect: _on_client_disconnected,  # gone while its body was being read
         },
     )
     app.state.runtime = runtime

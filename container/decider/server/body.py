@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -162,12 +162,15 @@ def parse_json(data: bytes) -> Any:
     return value
 
 
-async def read_payload(request: Request, limit: int) -> Any:
+async def read_payload(
+    request: Request, limit: int, run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None
+) -> Any:
     """The body's parsed JSON, under the byte `limit` (raw and decoded).
 
-    Decompressing and parsing run on a worker thread: a multi-megabyte body must not hold up the
-    event loop (and with it `/ping`)."""
+    Decompressing and parsing run on a worker thread (`run`: the server's intake threads, at a low
+    priority; default `asyncio.to_thread`): a multi-megabyte body must not hold up the event loop
+    (and with it `/ping`)."""
     _check_content_type(request)
     raw = await read_body(request, limit)
     encoding = request.headers.get("content-encoding")
-    return await asyncio.to_thread(lambda: parse_json(decode_content(raw, encoding, limit)))
+    return await (run or asyncio.to_thread)(lambda: parse_json(decode_content(raw, encoding, limit)))

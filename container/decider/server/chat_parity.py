@@ -12,24 +12,46 @@ import dataclasses
 from typing import Any
 
 from decider.engine import chat_options
+from decider.engine.schema_limits import GrammarLimitError, GrammarLimits
 from decider.engine.work import ChatPlan
 from decider.errors import RequestError
 from decider.schemas.chat import ChatCompletionRequest
 
+SCHEMA_PARAM = ("response_format", "json_schema", "schema")
 
-def with_chat_options(engine: Any, chat: ChatCompletionRequest, plan: ChatPlan) -> ChatPlan:
+
+def check_stop(chat: ChatCompletionRequest, max_chars: int) -> None:
+    """Each stop string is searched for after every generated token: bound its length."""
+    for index, stop in enumerate(chat.stop_list()):
+        if len(stop) > max_chars:
+            param: tuple[str | int, ...] = ("stop",) if isinstance(chat.stop, str) else ("stop", index)
+            raise RequestError(
+                f"a stop string is {len(stop)} characters; at most {max_chars} are allowed "
+                "(DECIDER_MAX_STOP_CHARS)",
+                code="stop_too_long",
+                param=param,
+            )
+
+
+def with_chat_options(
+    engine: Any, chat: ChatCompletionRequest, plan: ChatPlan, limits: GrammarLimits | None = None
+) -> ChatPlan:
     spec = chat.output_schema()
     grammar: str | None = None
     if spec is not None:
         kind, schema = spec
-        param = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
+        param = ".".join(SCHEMA_PARAM) if kind == "json_schema" else "response_format"
         try:
             grammar = (
-                chat_options.schema_grammar(schema or {})
+                chat_options.schema_grammar(schema or {}, limits)
                 if kind == "json_schema"
                 else (chat_options.json_object_grammar())
             )
             chat_options.check_grammar(engine.runtime.vocab, grammar)
+        except GrammarLimitError as exc:
+            raise RequestError(
+                str(exc), code="response_format_too_complex", param=(*SCHEMA_PARAM, *exc.path)
+            ) from None
         except chat_options.GrammarError as exc:
             raise RequestError(str(exc), code="invalid_response_format", param=param) from None
     top_logprobs = chat.logprobs_count()

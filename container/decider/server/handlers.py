@@ -34,7 +34,8 @@ from decider.schemas.chat import (
 )
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
-from decider.server.chat_parity import logprobs_of, with_chat_options
+from decider.server.chat_parity import check_stop, logprobs_of, with_chat_options
+from decider.server.intake import release_intake
 from decider.server.runtime import Engine, ServerRuntime
 
 log = logging.getLogger("decider.server")
@@ -143,7 +144,8 @@ async def execute_decision(
 ) -> Any:
     """The one decision path behind every decision route: plan (validate and tokenize) on a worker
     thread, admit by token count, run batched on the engine thread, count tokens."""
-    plan = await asyncio.to_thread(prepare)  # parsing and tokenizing never block the event loop
+    plan = await runtime.intake.run(prepare)  # parsing and tokenizing never block the event loop
+    release_intake(request)
     response = await run_until_disconnect(runtime, request, "decision", engine.decision_work(plan))
     runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
     return response
@@ -170,6 +172,7 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
 
     def prepare() -> tuple[ChatCompletionRequest, ChatPlan]:
         chat = parse_chat_request(body)
+        check_stop(chat, runtime.settings.max_stop_chars)
         plan = engine.chat_plan(
             chat.engine_messages(),
             max_tokens=_max_tokens(runtime, chat),
@@ -179,9 +182,11 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
             stop=chat.stop_list(),
             seed=chat.seed,
         )
-        return chat, with_chat_options(engine, chat, plan)  # response_format grammar, logprobs
+        # response_format grammar (its limits checked before it is built), logprobs
+        return chat, with_chat_options(engine, chat, plan, runtime.settings.grammar_limits)
 
-    chat, plan = await asyncio.to_thread(prepare)
+    chat, plan = await runtime.intake.run(prepare)
+    release_intake(request)
     if chat.stream:
         return await _stream_chat(runtime, request, engine, chat, plan)
     work = ChatWork(plan)
@@ -275,11 +280,7 @@ async def _stream_chat(
             job.cancel()
             return _Failure(deadline_error(job, deadline_seconds))
 
-    try:
-        first = await next_event()
-    except asyncio.CancelledError:
-        job.cancel()
-        raise
+    first = await _first_event_or_disconnect(request, job, next_event())
     if isinstance(first, _Failure):
         job.cancel()
         if isinstance(first.exc, ClientGoneError):
@@ -324,6 +325,26 @@ async def _stream_chat(
         yield "data: [DONE]\n\n"
 
     return _JobStream(job, sse())
+
+
+async def _first_event_or_disconnect(request: Request, job: Job, first: Any) -> Any:
+    """The stream's first event; while it is awaited (queued, prefilling) nothing is sent yet, so
+    only the connection says whether the client is still there: one that leaves cancels its job."""
+    event = asyncio.ensure_future(first)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({event, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        job.cancel()
+        event.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if event in done:
+        return event.result()
+    job.cancel()
+    event.cancel()
+    raise ClientDisconnectedError
 
 
 def _sse_data(body: dict[str, Any]) -> str:

@@ -13,10 +13,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from decider.engine.scheduler import Backend, Scheduler, shutting_down
 from decider.errors import StartupError, UnavailableError
+from decider.server.intake import Intake
 from decider.server.metrics import ServerMetrics
 from decider.settings import Settings
 
@@ -53,12 +55,13 @@ def load_engine(settings: Settings) -> Engine:
     """The production loader: register llama.cpp backends (a GPU one when GPU layers are
     requested), then load and verify the GGUF."""
     from decider.engine import DecisionEngine
+    from decider.engine.ggml_backends import ensure_backends, require_gpu
     from decider.engine.modelfile import resolve_model_file, verify_sha256
-    from decider.server.ggml_backends import ensure_backends, require_gpu
 
     model = resolve_model_file(settings)
     verify_sha256(model, settings)  # before a CPU probe parses it (the digest is cached for the load)
-    backends = ensure_backends(model)
+    cache = Path(settings.cpu_probe_cache) if settings.cpu_probe_cache else None
+    backends = ensure_backends(model, cache=cache)
     log.info("llama.cpp backends: %s", backends.describe())
     require_gpu(backends, settings.n_gpu_layers, setting=settings.env_name("n_gpu_layers"))
     return DecisionEngine.load(settings)
@@ -82,6 +85,7 @@ class ServerRuntime:
             metrics=self.metrics,
             epoch_cells=settings.epoch_limit,
         )
+        self.intake = Intake(settings.parse_concurrency, max_waiting=settings.queue_size)
         self._loader = loader
         self.state: State = "loading"
         self.engine: Engine | None = None
@@ -114,18 +118,39 @@ class ServerRuntime:
 
         return asyncio.wrap_future(self.scheduler.submit_unscheduled(load))
 
+    async def watch_engine(self, on_fatal: Callable[[str], None], interval: float = 0.2) -> None:
+        """Until the server stops: if the engine thread dies, turn unhealthy (`/ping` 503: it
+        already is, from `ready`) and call `on_fatal(one_line)` once, so the process exits non-zero
+        and SageMaker replaces the instance instead of sending it traffic that can only time out."""
+        while self.state != "stopping":
+            failure = self.scheduler.failure
+            if failure is not None and self.state != "failed":
+                self.state = "failed"
+                self.failure = f"the engine thread died: {failure}"
+                self.metrics.model_ready.set(0)
+                on_fatal(self.failure)
+                return
+            await asyncio.sleep(interval)
+
     @property
     def ready(self) -> bool:
-        return self.state == "ready" and self.engine is not None
+        return self.state == "ready" and self.engine is not None and self.scheduler.engine_alive
 
     def require_engine(self) -> Engine:
-        if self.state == "ready" and self.engine is not None:
+        if self.ready:
+            assert self.engine is not None
             return self.engine
         if self.state == "stopping":
             raise shutting_down()
-        if self.state == "failed":
+        if self.state == "failed" and self.engine is None:
             raise UnavailableError(
                 f"the model failed to load: {self.failure}", code="model_unavailable", retryable=False
+            )
+        if self.engine is not None:  # ready, but the engine thread is gone: this instance is exiting
+            raise UnavailableError(
+                f"the engine thread died ({self.scheduler.failure}); the server is exiting, retry",
+                code="engine_failed",
+                headers={"Retry-After": "1"},
             )
         raise UnavailableError(
             "the model is still loading", code="model_unavailable", headers={"Retry-After": "2"}
@@ -138,3 +163,4 @@ class ServerRuntime:
         self.state = "stopping"
         self.metrics.model_ready.set(0)
         self.scheduler.close()
+        self.intake.close()

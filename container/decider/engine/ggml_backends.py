@@ -11,8 +11,10 @@ Several CPU variants (the CPU image): ggml would take the one whose score is hig
 CPU's feature bits. A host may advertise instructions it then refuses (a virtual machine that
 reports AMX and raises SIGILL on its tile instructions), which would crash the server on its
 first decode. So the best-scoring variant first decodes a few tokens of the model in a child
-process; if that child dies, the next variant is tried, and the one that works is loaded. This
-costs one extra model load at start-up (from the page cache the server's own load then reads).
+process; if that child dies or times out, the next variant is tried, and the one that decodes is
+loaded (never one that crashed). This costs one extra model load at start-up (from the page cache
+the server's own load then reads), and only once per host and image: the verdict is cached under
+the CPU's flags, the libraries and the model (`DECIDER_CPU_PROBE_CACHE`).
 
 The wheel stores `libggml.so`, `libggml.so.0` and `libggml.so.0.x.y` as three separate files
 (wheels cannot hold symlinks), and each copy has its own backend registry: backends registered in
@@ -26,15 +28,21 @@ from __future__ import annotations
 
 import _ctypes
 import argparse
+import contextlib
 import ctypes
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from decider.errors import StartupError
 
@@ -121,36 +129,113 @@ def variant_score(path: Path) -> int:
         _ctypes.dlclose(variant._handle)
 
 
-def probe_variant(path: Path, model: Path) -> int:
-    """Decode a few tokens of `model` with the CPU variant `path` in a child process; its exit
-    status (negative: the signal that killed it, e.g. -4 for SIGILL)."""
+@dataclass(frozen=True)
+class ProbeResult:
+    """How one CPU variant fared in the probe child, and what the probe cost."""
+
+    outcome: Literal["works", "crashed", "timed_out", "failed"]  # failed: exited with an error
+    seconds: float
+    status: int | None = None  # the child's exit status (negative: the signal that killed it)
+
+    def describe(self) -> str:
+        if self.outcome == "crashed" and self.status is not None:
+            signals = signal.valid_signals()
+            return (
+                f"crashed ({signal.Signals(-self.status).name if -self.status in signals else self.status})"
+            )
+        if self.outcome == "timed_out":
+            return f"timed out after {self.seconds:.0f} s (not a crash: the host may only be slow)"
+        return f"{self.outcome} (exit {self.status})" if self.outcome == "failed" else self.outcome
+
+
+def probe_variant(path: Path, model: Path, timeout: float = PROBE_TIMEOUT_SECONDS) -> ProbeResult:
+    """Decode a few tokens of `model` with the CPU variant `path` in a child process."""
     command = [sys.executable, "-m", __name__, "--probe", str(path), "--model", str(model)]
+    started = time.monotonic()
     try:
-        done = subprocess.run(command, capture_output=True, timeout=PROBE_TIMEOUT_SECONDS, check=False)
+        done = subprocess.run(command, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return -signal.SIGKILL
-    return done.returncode
+        return ProbeResult("timed_out", time.monotonic() - started)
+    seconds = time.monotonic() - started
+    if done.returncode == 0:
+        return ProbeResult("works", seconds, 0)
+    return ProbeResult("crashed" if done.returncode < 0 else "failed", seconds, done.returncode)
 
 
-def choose_cpu_variant(directory: Path, model: Path | None) -> Path | None:
+def probe_cache_key(variants: list[Path], model: Path) -> str:
+    """What the verdict depends on: this CPU (model name and feature flags), the variant libraries,
+    the model file (its tensor types pick the kernels) and llama-cpp-python's version."""
+    cpu = ""
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    parts = [cpu, importlib.metadata.version("llama-cpp-python")]
+    for path in [*sorted(variants), model]:
+        stat = path.stat()
+        parts.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _cached_variant(cache: Path | None, key: str, directory: Path) -> Path | None:
+    if cache is None:
+        return None
+    try:
+        entry = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("variant"), str):
+        return None
+    path = directory / Path(entry["variant"]).name
+    return path if path.is_file() else None
+
+
+def _store_verdict(cache: Path | None, key: str, variant: Path) -> None:
+    """Only a variant that decoded is remembered (a crash, a timeout or an error proves nothing to keep)."""
+    if cache is None:
+        return
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"key": key, "variant": variant.name}))
+        partial.replace(cache)
+
+
+def choose_cpu_variant(directory: Path, model: Path | None, cache: Path | None = None) -> Path | None:
     """The best-scoring CPU variant in `directory` that decodes `model` on this host.
 
-    None, and ggml picks as it always does: the directory holds at most one variant, no model is
-    given, or the probe failed without a crash (a model llama.cpp cannot load: the real load then
-    says why, in its own words)."""
+    None, and ggml picks as it always does, when the directory holds at most one variant or no
+    model is given. A variant whose probe crashed or timed out is never chosen; one whose probe
+    failed with an error (a model llama.cpp cannot load) is chosen as it stands, and the real load
+    then says why in its own words. A verdict is cached in `cache` (DECIDER_CPU_PROBE_CACHE) under
+    everything it depends on, so a restart on the same host skips the probe."""
     scored = [(variant_score(path), path.name, path) for path in directory.glob(CPU_VARIANTS)]
     candidates = [path for score, _, path in sorted(scored, reverse=True) if score > 0]
     if len(candidates) < 2 or model is None:
         return None
+    key = probe_cache_key(candidates, model)
+    if (cached := _cached_variant(cache, key, directory)) is not None:
+        log.info("CPU kernels %s: the cached verdict for this host (%s)", cached.name, cache)
+        return cached
+    started = time.monotonic()
+    refused: list[str] = []
     for path in candidates:
-        status = probe_variant(path, model)
-        if status == 0:
+        result = probe_variant(path, model)
+        if result.outcome in ("works", "failed"):
+            log.info(
+                "CPU kernels %s chosen: probe %s, %.1f s for %d probe(s)",
+                path.name,
+                result.describe(),
+                time.monotonic() - started,
+                len(refused) + 1,
+            )
+            if result.outcome == "works":
+                _store_verdict(cache, key, path)
             return path
-        if status > 0:
-            return None
-        name = signal.Signals(-status).name if -status in signal.valid_signals() else str(status)
-        log.warning("the CPU kernels %s crash on this host (%s): trying the next variant", path.name, name)
-    raise StartupError(f"every llama.cpp CPU variant in {directory} crashed on this host")
+        refused.append(f"{path.name} {result.describe()}")
+        log.warning(
+            "the CPU kernels %s %s on this host: trying the next variant", path.name, result.describe()
+        )
+    raise StartupError(f"no llama.cpp CPU variant in {directory} decodes on this host: {'; '.join(refused)}")
 
 
 def loaded_backend_libraries() -> tuple[str, ...]:
@@ -177,7 +262,7 @@ def _devices(lib: ctypes.CDLL) -> tuple[Device, ...]:
     return tuple(devices)
 
 
-def ensure_backends(model: Path | None = None) -> Backends:
+def ensure_backends(model: Path | None = None, *, cache: Path | None = None) -> Backends:
     """Load the backend libraries found next to llama.cpp (or in `$GGML_BACKEND_DIR`) unless
     backends are already registered; return what is available. With several CPU variants and a
     `model`, the CPU variant is the best one that decodes it here (see the module docstring).
@@ -188,7 +273,7 @@ def ensure_backends(model: Path | None = None) -> Backends:
     directory = os.environ.get(BACKEND_DIR_ENV) or str(llama_cpp_lib_dir())
     if lib.ggml_backend_reg_count() == 0:
         log.debug("loading ggml backends from %s", directory)
-        variant = choose_cpu_variant(Path(directory), model)
+        variant = choose_cpu_variant(Path(directory), model, cache)
         if variant is None:
             lib.ggml_backend_load_all_from_path(directory.encode())
         else:  # that CPU variant, and every other kind of backend ggml would load
@@ -245,7 +330,7 @@ def _probe(variant: Path, model: Path) -> None:
     llm.eval(llm.tokenize(b"A probe of the CPU kernels on this host. " * 8)[:96])
 
 
-if __name__ == "__main__":  # `python -m decider.server.ggml_backends`: what this host offers
+if __name__ == "__main__":  # `python -m decider.engine.ggml_backends`: what this host offers
     parser = argparse.ArgumentParser(description="llama.cpp's backends on this host")
     parser.add_argument("--probe", type=Path, help="a CPU variant to try (internal: probe_variant)")
     parser.add_argument("--model", type=Path, help="the GGUF to decode with it")

@@ -1,0 +1,238 @@
+"""The server's OpenAPI 3.1 document (`GET /openapi.json`, and docs/openapi.json), built from the
+pydantic models.
+
+The chat request and every response body are the models the server validates and answers with
+(`ChatCompletionRequest`, `DecisionResponse`, `BatchDecisionResponse`, `ChatCompletion`). The
+decision requests are parsed by hand-written validators (decider.schemas.decision,
+decider.schemas.openai_decisions: typed error codes, duplicate keys, per-field limits), so their
+wire shapes are described here by `JevDecisionBody`, `JevBatchBody` and `OpenAIDecisionBody`;
+tests/server/test_openapi.py sends what the document allows to the live server (schemathesis), so
+the two cannot drift apart unnoticed.
+
+    python -m decider.schemas.openapi > docs/openapi.json
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import models_json_schema
+
+from decider import __version__
+from decider.schemas.chat import ChatCompletion, ChatCompletionRequest
+from decider.schemas.decision import BatchDecisionResponse, DecisionResponse
+
+Json = Any  # any JSON value (a state, instructions, an option's description)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class JevQuestion(_Open):
+    """One question of `/v1/systemone`: `criteria` maps option keys to descriptions (or lists levels)."""
+
+    type: Literal["noul", "choice", "score"]
+    instructions: Json | None = None
+    criteria: dict[str, Json] | list[Json] | None = None
+
+
+class JevDecisionBody(_Open):
+    """`POST /v1/systemone` (Jev / SemIf): one state, typed questions by key."""
+
+    state: Json
+    questions: dict[str, JevQuestion] = Field(min_length=1)
+    model: str | None = None
+    extensions: bool = False
+    permutations: int = Field(1, ge=1)
+    mode: Literal["shared", "fresh"] | None = None
+
+
+class JevBatchBody(_Open):
+    """`POST /v1/systemone/batch`: many states, the same questions for each."""
+
+    states: list[Json] = Field(min_length=1)
+    questions: dict[str, JevQuestion] = Field(min_length=1)
+    model: str | None = None
+    extensions: bool = False
+    permutations: int = Field(1, ge=1)
+    mode: Literal["shared", "fresh"] | None = None
+
+
+class OpenAIQuestion(_Open):
+    type: Literal["predicate", "choice", "score"]
+    name: str | None = None
+    instructions: Json | None = None
+    choices: list[dict[str, Json]] | None = None
+    levels: list[dict[str, Json]] | None = None
+
+
+class OpenAIDecisionBody(_Open):
+    """`POST /v1/decisions` (OpenAI's Decisions API, `client.decisions.create`)."""
+
+    input: str | list[dict[str, Json]]
+    questions: list[OpenAIQuestion] = Field(min_length=1, max_length=400)
+    model: str | None = None
+
+
+class OpenAIDecision(_Open):
+    """The Decisions API's answer: one typed answer per question, in question order."""
+
+    model: str
+    answers: list[dict[str, Json]]
+    usage: dict[str, Json]
+
+
+class ErrorFields(BaseModel):
+    type: str
+    code: str = Field(description="Stable, machine-readable (docs/engine.md and docs/server.md list them).")
+    message: str
+    param: str | None
+    retryable: bool = Field(description="Whether the same request can succeed later (also `x-should-retry`).")
+
+
+class ErrorBody(BaseModel):
+    """Every error, from any layer: OpenAI's `error` and FastAPI's `detail` saying the same thing."""
+
+    error: ErrorFields
+    detail: list[dict[str, Json]] | dict[str, str]
+
+
+class Ping(_Open):
+    status: str
+    model: str | None = None
+
+
+MODELS: list[tuple[type[BaseModel], Literal["validation", "serialization"]]] = [
+    (JevDecisionBody, "validation"),
+    (JevBatchBody, "validation"),
+    (OpenAIDecisionBody, "validation"),
+    (ChatCompletionRequest, "validation"),
+    (DecisionResponse, "serialization"),
+    (BatchDecisionResponse, "serialization"),
+    (OpenAIDecision, "serialization"),
+    (ChatCompletion, "serialization"),
+    (ErrorBody, "serialization"),
+    (Ping, "serialization"),
+]
+ERROR_STATUSES = {
+    "400": "Bad request",
+    "401": "A configured API key is missing or wrong",
+    "404": "Unknown route (also `unknown_route` in the custom attributes)",
+    "413": "Body too large (DECIDER_MAX_BODY_BYTES)",
+    "415": "Unsupported Content-Type or Content-Encoding",
+    "422": "Invalid request, with the field in `error.param`",
+    "429": "Queue full (`queue_full`, Retry-After)",
+    "503": "Model loading, shutting down, deadline unreachable, engine failed (Retry-After)",
+    "504": "The request passed its deadline",
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(*statuses: str) -> dict[str, Any]:
+    return {
+        status: {"description": ERROR_STATUSES[status], "content": _json(_ref("ErrorBody"))}
+        for status in statuses
+    }
+
+
+def _post(summary: str, body: dict[str, Any], ok: dict[str, Any], *, stream: bool = False) -> dict[str, Any]:
+    content = _json(ok)
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(body)},
+            "responses": {
+                "200": {"description": "The answer", "content": content},
+                **_errors("400", "401", "404", "413", "415", "422", "429", "503", "504"),
+            },
+        }
+    }
+
+
+def _get(summary: str, ok: dict[str, Any], media: str = "application/json", **extra: Any) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {"200": {"description": "OK", "content": {media: {"schema": ok}}}, **extra},
+        }
+    }
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    """The whole document, OpenAPI 3.1 (its schemas are JSON Schema 2020-12, as pydantic writes them)."""
+    _, defs = models_json_schema(MODELS, ref_template="#/components/schemas/{model}")
+    schemas = defs.get("$defs", {})
+    decision, batch, openai_decision = (
+        _ref("JevDecisionBody"),
+        _ref("JevBatchBody"),
+        _ref("OpenAIDecisionBody"),
+    )
+    chat = _ref("ChatCompletionRequest")
+    any_answer = {
+        "anyOf": [
+            _ref("DecisionResponse"),
+            _ref("BatchDecisionResponse"),
+            _ref("OpenAIDecision"),
+            _ref("ChatCompletion"),
+        ]
+    }
+    paths = {
+        "/ping": _get(
+            "Health: 200 once the model is loaded and verified",
+            _ref("Ping"),
+            **{"503": {"description": "Loading, failed or stopping", "content": _json(_ref("Ping"))}},
+        ),
+        "/invocations": _post(
+            "SageMaker's route: X-Amzn-SageMaker-Custom-Attributes `route=…`, else the body's shape decides",
+            {"anyOf": [decision, batch, openai_decision, chat]},
+            any_answer,
+            stream=True,
+        ),
+        "/v1/systemone": _post(
+            "A typed decision on one state (Jev / SemIf)", decision, _ref("DecisionResponse")
+        ),
+        "/v1/systemone/batch": _post(
+            "The same questions on many states", batch, _ref("BatchDecisionResponse")
+        ),
+        "/v1/decisions": _post("OpenAI's Decisions API", openai_decision, _ref("OpenAIDecision")),
+        "/v1/chat/completions": _post(
+            "OpenAI-compatible chat (SSE with `stream: true`)", chat, _ref("ChatCompletion"), stream=True
+        ),
+        "/v1/models": _get("The served model, in OpenAI's and Jev's shapes", {"type": "object"}),
+        "/metrics": _get("Prometheus metrics", {"type": "string"}, "text/plain"),
+        "/execution-parameters": _get("SageMaker Batch Transform's parameters", {"type": "object"}),
+        "/openapi.json": _get("This document", {"type": "object"}),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "decider",
+            "version": __version__,
+            "description": "Typed decisions and OpenAI-compatible chat from one GGUF model (SageMaker AI "
+            "hosting contract). Every error is `ErrorBody`.",
+        },
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+
+
+def render() -> str:
+    return json.dumps(openapi_document(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,136 @@
+"""The mixed-traffic soak's users (issue 23 §4), for `locust -f tools/soak/locustfile.py`.
+
+Decisions, batches, chats with `response_format`, streams cancelled after their first tokens, and
+invalid bodies (bad JSON, too many questions, a schema beyond the grammar limits), all at once.
+Each request is counted by (route, status, code); each stream's largest gap between two chunks is
+kept. At exit the counts and the gap go to $SOAK_RESULTS (JSON), which tools.soak.run reports.
+Runs in locust's own process (it patches the standard library with gevent): never imported by tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from locust import HttpUser, between, events, task
+
+COUNTS: collections.Counter[str] = collections.Counter()
+GAPS: dict[str, float] = {"largest_gap_seconds": 0.0}
+QUESTIONS = {
+    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+    "team": {
+        "type": "choice",
+        "instructions": "Which team should handle this?",
+        "criteria": {"billing": "Payments", "technical": "Bugs", "sales": None},
+    },
+}
+STATE = "I was charged twice for order 1182 and I want my money back today."
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"type": "string", "enum": ["red", "green"]}, "sure": {"type": "boolean"}},
+    "required": ["colour", "sure"],
+}
+TOO_COMPLEX = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "maxLength": 200000}},
+    "required": ["a"],
+}
+
+
+@events.request.add_listener
+def _count(name: str, response: Any, exception: Any, **_: Any) -> None:
+    status = getattr(response, "status_code", None) if response is not None else None
+    code = None
+    if status is not None and status >= 400:
+        try:
+            code = response.json()["error"]["code"]
+        except Exception:
+            code = "no_error_body"
+    COUNTS[
+        f"{name} {status if exception is None or status else type(exception).__name__} {code or ''}".strip()
+    ] += 1
+
+
+@events.quitting.add_listener
+def _write(environment: Any, **_: Any) -> None:
+    path = os.environ.get("SOAK_RESULTS")
+    if path:
+        Path(path).write_text(json.dumps({"counts": dict(COUNTS), **GAPS}, indent=1))
+
+
+class Caller(HttpUser):
+    wait_time = between(0.05, 0.3)
+
+    def _post(self, path: str, name: str, **kwargs: Any) -> None:
+        with self.client.post(path, name=name, catch_response=True, timeout=70, **kwargs) as response:
+            if response.status_code >= 500 and response.status_code not in (503, 504):
+                response.failure(f"untyped 5xx: {response.status_code}")
+            elif response.status_code >= 500 and not response.json().get("error", {}).get("retryable"):
+                response.failure("a 503/504 that is not retryable")
+            else:
+                response.success()
+
+    @task(4)
+    def decision(self) -> None:
+        self._post("/v1/systemone", "decision", json={"state": STATE, "questions": QUESTIONS})
+
+    @task(2)
+    def batch(self) -> None:
+        self._post(
+            "/v1/systemone/batch",
+            "batch",
+            json={"states": [STATE, "Where is my parcel?"], "questions": QUESTIONS},
+        )
+
+    @task(2)
+    def chat_with_schema(self) -> None:
+        body = {
+            "messages": [{"role": "user", "content": "Pick a colour, in JSON."}],
+            "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        }
+        self._post("/v1/chat/completions", "chat+schema", json=body)
+
+    @task(2)
+    def cancelled_stream(self) -> None:
+        body = {
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 64,
+            "stream": True,
+        }
+        with self.client.post(
+            "/v1/chat/completions",
+            name="stream (cancelled)",
+            json=body,
+            stream=True,
+            catch_response=True,
+            timeout=70,
+        ) as response:
+            last = time.perf_counter()
+            chunks = 0
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                now = time.perf_counter()
+                if chunks:
+                    GAPS["largest_gap_seconds"] = max(GAPS["largest_gap_seconds"], now - last)
+                last, chunks = now, chunks + 1
+                if chunks >= 6:  # the client leaves mid-stream
+                    break
+            response.success()
+        GAPS["streams"] = GAPS.get("streams", 0.0) + 1
+
+    @task(2)
+    def invalid_bodies(self) -> None:
+        self._post(
+            "/v1/systemone", "invalid: json", data=b'{"state": ', headers={"Content-Type": "application/json"}
+        )
+        many = {f"q{i}": {"type": "noul", "instructions": "?"} for i in range(100)}
+        self._post("/v1/systemone", "invalid: too many questions", json={"state": STATE, "questions": many})
+        schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": TOO_COMPLEX}}
+        body = {"messages": [{"role": "user", "content": "x"}], "response_format": schema}
+        self._post("/v1/chat/completions", "invalid: schema", json=body)
