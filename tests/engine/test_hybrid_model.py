@@ -41,7 +41,7 @@ from decider.schemas.decision import DecisionResponse, parse_batch_request, pars
 from decider.settings import Settings
 from engine_helpers import EXAMPLE
 
-from tools.qwen35_gguf import ARCH, write_qwen35
+from tools.qwen35_gguf import ARCH
 
 pytestmark = pytest.mark.model
 
@@ -61,11 +61,6 @@ CASE = {
         "anger": {"type": "score", "instructions": "How frustrated?", "criteria": ["Calm", "Civil", "Angry"]},
     },
 }
-
-
-@pytest.fixture(scope="session")
-def qwen35_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    return write_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35-Q4_1.gguf", smollm2_path)
 
 
 class DecodeLog:
@@ -92,8 +87,17 @@ class DecodeLog:
 @pytest.fixture(scope="session")
 def hybrid(qwen35_path: Path) -> Iterator[tuple[DecisionEngine, DecodeLog]]:
     """One engine on the tiny Qwen3.5 for the session (load: about 0.3 s). `n_batch` 512: a
-    state of more than 512 tokens is prefilled over several steps."""
-    settings = Settings(model_path=qwen35_path, n_ctx=4096, n_batch=512, max_state_tokens=2048)
+    state of more than 512 tokens is prefilled over several steps. Nothing is kept across requests
+    here: these tests are about the decodes themselves (tests/engine/test_state_cache.py has the
+    caches on this model)."""
+    settings = Settings(
+        model_path=qwen35_path,
+        n_ctx=4096,
+        n_batch=512,
+        max_state_tokens=2048,
+        state_cache_seqs=0,
+        repeat_cache_entries=0,
+    )
     engine = DecisionEngine.load(settings)
     engine.decide(parse_decision_request(EXAMPLE))  # starts the private scheduler
     log = DecodeLog(engine.runtime)
@@ -114,15 +118,20 @@ def engine(hybrid: tuple[DecisionEngine, DecodeLog]) -> Iterator[DecisionEngine]
 
 
 def assert_released(engine: DecisionEngine) -> None:
+    """Nothing runs, and only the prompt head and the kept states hold memory (unpinned)."""
     scheduler = engine._local
     pool = scheduler._seqs
     assert not scheduler._works and not scheduler._admitted
     assert pool.available == engine.runtime.n_seq_max - len(pool.reserved)
+    states = scheduler.caches.states
+    kept = sorted(states.seqs) if states is not None else []
+    assert states is None or states.spare_seqs == len(states)  # no entry is pinned any more
+    assert pool.free + len(kept) == pool.available
     memory = engine.runtime._mem
     # On hybrid memory pos_max is the smaller of the two caches' answers and pos_min the larger: a
     # sequence left in either one (KV cells or a recurrent state) has pos_min >= 0.
     held = [s for s in range(engine.runtime.n_seq_max) if llama_cpp.llama_memory_seq_pos_min(memory, s) >= 0]
-    assert held == [HEAD_SEQ]  # only the cached prompt head has cells (and a recurrent state)
+    assert held == sorted([HEAD_SEQ, *kept])  # the cached prompt head, and the kept states
 
 
 def context(n_ctx: int, n_batch: int, n_ubatch: int, *, invariant: bool = False) -> ContextConfig:

@@ -287,6 +287,18 @@ class LlamaRuntime:
         if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, -1, -1):
             raise NativeError(f"could not remove sequence {seq_id}")
 
+    def seq_truncate(self, seq_id: int, position: int) -> None:
+        """Remove a sequence's positions from `position` on (attention-only models: `partial_reuse`)."""
+        if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, position, -1):
+            raise NativeError(f"could not cut sequence {seq_id} at {position}")
+
+    @property
+    def partial_reuse(self) -> bool:
+        """Whether a copied sequence may be cut to a shorter prefix and extended from there: not on
+        recurrent or hybrid models (a recurrent state cannot go back) nor with a sliding window
+        (cells past the window may be gone)."""
+        return not self.recurrent and self.n_swa == 0
+
     # --- decoding ------------------------------------------------------------------------------
     def _abort_requested(self, _data: Any) -> bool:
         check = self._should_abort

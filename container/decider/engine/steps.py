@@ -34,24 +34,50 @@ class Memory(Protocol):
     def seq_remove(self, seq_id: int) -> None: ...
 
 
+class Reclaimer(Protocol):
+    """Something that holds sequences nobody needs right now and gives them back on demand (the
+    state cache: decider.engine.prefix_cache)."""
+
+    @property
+    def spare_seqs(self) -> int: ...
+
+    def evict_one(self) -> int | None: ...
+
+
 class SeqPool:
-    """Sequence ids of the one context: reserved ones (head, pad, graveyards) and a free list."""
+    """Sequence ids of the one context: reserved ones (head, pad, graveyards) and a free list.
+
+    With a `reclaimer`, the sequences it could give back count as available, and `acquire` takes
+    one from it when the free list is empty: a cache never makes running work wait."""
 
     def __init__(self, n_seq_max: int, reserved: Iterable[int], graveyards: tuple[int, ...] = ()) -> None:
         self.graveyards = graveyards
         self.reserved = frozenset(reserved) | frozenset(graveyards)
         self._all = [seq for seq in range(n_seq_max - 1, -1, -1) if seq not in self.reserved]
         self._free = list(self._all)
+        self.reclaimer: Reclaimer | None = None
+
+    @property
+    def free(self) -> int:
+        """Sequences nobody holds, the cache's left out."""
+        return len(self._free)
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        spare = self.reclaimer.spare_seqs if self.reclaimer is not None else 0
+        return len(self._free) + spare
+
+    def take_free(self) -> int | None:
+        """A sequence from the free list only (what the cache itself takes: it never evicts for it)."""
+        return self._free.pop() if self._free else None
 
     @property
     def epochs(self) -> bool:
         return bool(self.graveyards)
 
     def acquire(self) -> int | None:
+        if not self._free and self.reclaimer is not None:
+            self.reclaimer.evict_one()  # gives its sequence back through `release`
         return self._free.pop() if self._free else None
 
     def release(self, memory: Memory, seq: int) -> None:
@@ -112,6 +138,7 @@ class Step:
     # The scheduler's gate, set before each work plans: false behind a unit that could not start
     # (first come, first served) and while the memory epoch is full.
     starts_allowed: bool = True
+    caches: Any = None  # the scheduler's kept states and repeats (decider.engine.prefix_cache.Caches)
     rows: list[PlannedRow] = field(default_factory=list)
 
     def may_hold_sequence(self) -> bool:
@@ -126,7 +153,8 @@ class Step:
         - Nothing starts while the gate is closed.
         - A state too large for one epoch holds cells alone: it waits until no state holds any.
         - No other state starts while such a state runs.
-        - The unit's cells must all be free, and one holding a sequence needs `may_hold_sequence`.
+        - The unit's cells must all be free (kept states are evicted for them first), and one
+          holding a sequence needs `may_hold_sequence`.
         """
         if not self.starts_allowed:
             return False
@@ -135,10 +163,22 @@ class Step:
             return False
         if unit is Unit.STATE and any(footprint.streams_alone for footprint in held):
             return False
+        self._reclaim_cells(cells)
         if self.cells_left < cells or (holds_sequence and not self.may_hold_sequence()):
             return False
         self.cells_left -= cells
         return True
+
+    def _reclaim_cells(self, cells: int) -> None:
+        """Evict kept states (least recently used, unpinned) until `cells` are free, or none is left."""
+        states = self.caches.states if self.caches is not None else None
+        if states is None or self.cells_left >= cells or self.cells_left + states.spare_cells < cells:
+            return  # nothing to evict, or evicting everything would not be enough
+        while self.cells_left < cells:
+            freed = states.evict_one()
+            if freed is None:
+                return
+            self.cells_left += freed
 
     def add(self, work: Any, row: Row, on_done: Callable[[Row], None], *, keep: bool = True) -> None:
         """Carry `row` in this decode (its cells were reserved when its unit of work started)."""
