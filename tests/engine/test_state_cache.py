@@ -245,7 +245,9 @@ def test_a_kept_state_is_copied_and_only_the_new_tokens_are_decoded(
     assert hit.usage.cached_tokens == hit.extensions["cached_tokens"] == boundary > 10
     if engine.runtime.recurrent:
         assert not engine.runtime.partial_reuse
-        assert miss.extensions["decodes"] == 3  # to the boundary, the rest of the prefix, the branches
+        # The prefill stopped at the boundary, where the state was kept whole (never cut).
+        plan = engine.plan_decision(parse_decision_request(first))
+        assert tuple(plan.states[0].prompt.tokens) in engine._local.caches.states._entries
     else:
         reference = decide(smollm2_uncached, again)
         assert_agree(distributions(hit), distributions(reference))

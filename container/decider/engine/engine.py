@@ -91,8 +91,9 @@ class DecisionEngine:
 
     # --- loading ---------------------------------------------------------------------------------
     @classmethod
-    def load(cls, settings: Settings) -> DecisionEngine:
-        """Load the model named by the settings; any problem is a one-line `StartupError`."""
+    def load(cls, settings: Settings, *, count_passes: bool = False) -> DecisionEngine:
+        """Load the model named by the settings; any problem is a one-line `StartupError`.
+        `count_passes`: the runtime counts forward passes (`runtime.passes`; benchmarks, tests)."""
         path = resolve_model_file(settings)
         digest = verify_sha256(path, settings)
         config = ContextConfig(
@@ -101,6 +102,7 @@ class DecisionEngine:
             n_threads=settings.threads(),
             n_gpu_layers=settings.n_gpu_layers,
             flash_attn=settings.flash_attn,
+            count_passes=count_passes,
         )
         try:
             runtime = LlamaRuntime(path, config)

@@ -92,6 +92,19 @@ class ContextConfig:
     n_threads: int
     n_gpu_layers: int
     flash_attn: bool
+    count_passes: bool = False  # count forward passes (micro-batches): benchmarks and tests only
+
+
+EMBEDDING_NODES = (b"embd", b"inp_embd", b"model.input_embed")  # the first node's name, by graph
+
+
+def _ggml_get_name() -> Callable[[int], bytes | None]:
+    """ggml's `ggml_get_name` (the binding does not wrap it), from the library llama.cpp loaded."""
+    library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    function = library.ggml_get_name
+    function.restype = ctypes.c_char_p
+    function.argtypes = [ctypes.c_void_p]
+    return function  # type: ignore[no-any-return]
 
 
 class LlamaRuntime:
@@ -143,6 +156,20 @@ class LlamaRuntime:
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         ctx_params.no_perf = True
+        # Forward passes: the graph of every micro-batch starts from the token embeddings, and the
+        # eval callback is asked about each node once per pass (it observes none).
+        self.passes = 0
+        if config.count_passes:
+            name_of = _ggml_get_name()
+
+            def observe(tensor: int, ask: bool, _data: Any) -> bool:
+                if ask and name_of(tensor) in EMBEDDING_NODES:
+                    self.passes += 1
+                return not ask  # observe nothing: the graph runs unsplit
+
+            self._eval_cb = llama_cpp.ggml_backend_sched_eval_callback(observe)
+            ctx_params.cb_eval = self._eval_cb
+            ctx_params.cb_eval_user_data = None
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)

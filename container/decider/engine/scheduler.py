@@ -505,6 +505,7 @@ class Scheduler:
             backend.n_ctx - fixed - held,
             running=[r.work for r in self._works],
             caches=self.caches,
+            equal_rows=bool(getattr(backend, "recurrent", False)),
         )
         step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()

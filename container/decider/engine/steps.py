@@ -139,6 +139,11 @@ class Step:
     # (first come, first served) and while the memory epoch is full.
     starts_allowed: bool = True
     caches: Any = None  # the scheduler's kept states and repeats (decider.engine.prefix_cache.Caches)
+    # Recurrent and hybrid models: llama.cpp cuts a decode into micro-batches of equal tokens per
+    # sequence (split_equal), about one per distinct row length, so the rows of a step share one
+    # length (`take`). `row_tokens` is that length once a row of several tokens has set it.
+    equal_rows: bool = False
+    row_tokens: int | None = None
     rows: list[PlannedRow] = field(default_factory=list)
 
     def may_hold_sequence(self) -> bool:
@@ -179,6 +184,41 @@ class Step:
             if freed is None:
                 return
             self.cells_left += freed
+
+    def take(self, remaining: int) -> int:
+        """How many of a row's `remaining` tokens it decodes in this step (0: none, it waits a step).
+
+        Without equal rows: as many as the token budget allows. With them, one-token rows (a chat's
+        next token, a label position) always go (they cost the step one micro-batch at most), and
+        every longer row takes the step's row length: the first row sets it (all it can take) unless
+        `settle_row_tokens` chose it for a group of rows; a row shorter than it waits a step."""
+        budget = min(remaining, self.tokens_left)
+        if not self.equal_rows or budget <= 1:
+            return max(0, budget)
+        if self.row_tokens is None:
+            self.row_tokens = budget
+        return self.row_tokens if budget >= self.row_tokens else 0
+
+    def settle_row_tokens(self, remaining: Sequence[int]) -> None:
+        """With equal rows, a group of rows about to be planned (a state's question branches, which
+        differ in length) chooses the step's row length, if no row has set it: the length that
+        decodes the most of their tokens in this step, among their own lengths and the powers of
+        two below them (rows of many lengths meet on a few that way: a 9-question JevBench state takes
+        about 6 micro-batches in place of 9, none holding under 2 x its share of n_ubatch)."""
+        if not self.equal_rows or self.row_tokens is not None:
+            return
+        lengths = [r for r in remaining if r > 1]
+        if not lengths:
+            return
+
+        def decoded(length: int) -> tuple[int, int]:
+            rows = sum(1 for r in lengths if r >= length)
+            return min(rows, self.tokens_left // length) * length, length
+
+        own = {min(r, self.tokens_left) for r in lengths}
+        powers = {1 << (r.bit_length() - 1) for r in lengths}
+        candidates = [c for c in own | powers if 1 < c <= self.tokens_left]
+        self.row_tokens = max(candidates, key=decoded, default=None)
 
     def add(self, work: Any, row: Row, on_done: Callable[[Row], None], *, keep: bool = True) -> None:
         """Carry `row` in this decode (its cells were reserved when its unit of work started)."""

@@ -364,7 +364,7 @@ class DecisionWork:
             boundary = state.boundary
             if kept is not None and not kept.partial and boundary is not None and state.prefilled < boundary:
                 end = boundary  # a copy cannot be cut on this model: the prefill stops at the boundary once
-            take = min(end - state.prefilled, step.tokens_left)
+            take = step.take(end - state.prefilled)
             if take > 0:
                 start = state.prefilled
                 assert state.seq is not None
@@ -372,7 +372,8 @@ class DecisionWork:
                 step.add(self, row, lambda _row: self._prefilled(step, state, take))
             return  # branches are copied only from a fully decoded prefix
         self._plan_children(state, step)
-        self._plan_fills(state, step)
+        if not step.equal_rows:
+            self._plan_fills(state, step)
         base = len(self.head) + len(prefix)
         while state.pending and step.tokens_left and self._fits(step, state):
             item = state.pending.popleft()
@@ -380,6 +381,8 @@ class DecisionWork:
             assert state.seq is not None
             step.memory.seq_copy(state.seq, seq)
             self._open_branch(step, state, _Fill(item, seq, item.tokens, base))
+        if step.equal_rows:
+            self._plan_fills(state, step)  # the open branches and those just opened, longest first
         if not state.pending and state.seq is not None:
             self._free(step, state.seq)  # every branch holds the prefix's cells now
             state.seq = None
@@ -392,11 +395,14 @@ class DecisionWork:
 
     def _plan_fresh(self, state: _StateRun, step: Step) -> None:
         self._plan_children(state, step)
-        self._plan_fills(state, step)
+        if not step.equal_rows:
+            self._plan_fills(state, step)
         before = [*self.head, *state.plan.prefix]
         while state.pending and step.tokens_left and self._fits(step, state):
             item = state.pending.popleft()
             self._open_branch(step, state, _Fill(item, self._acquire(step), [*before, *item.tokens], 0))
+        if step.equal_rows:
+            self._plan_fills(state, step)
 
     @staticmethod
     def _fits(step: Step, state: _StateRun) -> bool:
@@ -424,17 +430,22 @@ class DecisionWork:
 
     def _open_branch(self, step: Step, state: _StateRun, fill: _Fill) -> None:
         state.filling.append(fill)
-        self._plan_piece(step, state, fill)
-
-    def _plan_fills(self, state: _StateRun, step: Step) -> None:
-        """Branches whose prompt is longer than one step's budget continue where they stopped."""
-        for fill in list(state.filling):
-            if not step.tokens_left:
-                return
+        if not step.equal_rows:  # with equal rows the new branches are planned together, longest first
             self._plan_piece(step, state, fill)
 
+    def _plan_fills(self, state: _StateRun, step: Step) -> None:
+        """Branches whose prompt is longer than one step's budget continue where they stopped (with
+        equal rows: the longest first, so that the step's row length is one most of them can take)."""
+        fills = list(state.filling)
+        step.settle_row_tokens([len(fill.tokens) - fill.planned for fill in fills])
+        for fill in fills:
+            if not step.tokens_left:
+                return
+            if fill.planned < len(fill.tokens):
+                self._plan_piece(step, state, fill)
+
     def _plan_piece(self, step: Step, state: _StateRun, fill: _Fill) -> None:
-        take = min(len(fill.tokens) - fill.planned, step.tokens_left)
+        take = step.take(len(fill.tokens) - fill.planned)
         if take <= 0:
             return
         start = fill.planned
@@ -634,7 +645,7 @@ class ChatWork:
         assert self._seq is not None
         prompt = self.plan.prompt
         if self._prefilled < len(prompt):
-            take = min(len(prompt) - self._prefilled, step.tokens_left)
+            take = step.take(len(prompt) - self._prefilled)
             if take <= 0:
                 return
             start = self._prefilled
