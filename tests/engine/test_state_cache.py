@@ -143,9 +143,10 @@ def test_repeats_are_bounded_least_recently_used() -> None:
 
 # --- on the models ------------------------------------------------------------------------------------
 def unique(body: dict[str, Any], state: str | None = None) -> dict[str, Any]:
-    """`body` on a state no other test asked about (the engines are shared)."""
+    """`body` on a state no other test asked about (the engines are shared), which parts from every
+    other prompt at its first words: a longer common prefix would be a partial hit on SmolLM2."""
     fresh = copy.deepcopy(body)
-    fresh["state"] = f"{state or body['state']} (ticket {uuid.uuid4().hex[:8]})"
+    fresh["state"] = f"Ticket {uuid.uuid4().hex[:8]}. {state or body['state']}"
     return fresh
 
 
