@@ -193,6 +193,8 @@ class Scheduler:
     ) -> None:
         self.queue_size = queue_size
         self.cache_budget = cache_budget or CacheBudget()  # default: nothing kept across requests
+        # Rows of one length per decode (steps.Step.take); None: on recurrent and hybrid backends.
+        self.equal_rows: bool | None = None
         self.caches = Caches(None, None)
         self.epoch_cells = epoch_cells  # None: no cap on the decision starts of a memory epoch
         self.deadline_seconds = deadline_seconds
@@ -505,7 +507,9 @@ class Scheduler:
             backend.n_ctx - fixed - held,
             running=[r.work for r in self._works],
             caches=self.caches,
-            equal_rows=bool(getattr(backend, "recurrent", False)),
+            equal_rows=self.equal_rows
+            if self.equal_rows is not None
+            else bool(getattr(backend, "recurrent", False)),
         )
         step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()
