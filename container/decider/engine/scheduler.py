@@ -500,6 +500,9 @@ class Scheduler:
             held += self.caches.states.cells  # evicted on demand when a unit needs them
         policy = backend.policy
         fixed = len(self._head) + policy.reserved_cells
+        equal_rows = (
+            self.equal_rows if self.equal_rows is not None else bool(getattr(backend, "recurrent", False))
+        )
         step = Step(
             backend,
             self._seqs,
@@ -507,9 +510,8 @@ class Scheduler:
             backend.n_ctx - fixed - held,
             running=[r.work for r in self._works],
             caches=self.caches,
-            equal_rows=self.equal_rows
-            if self.equal_rows is not None
-            else bool(getattr(backend, "recurrent", False)),
+            equal_rows=equal_rows,
+            long_row=policy.n_ubatch // 2,
         )
         step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()

@@ -144,6 +144,7 @@ class Step:
     # length (`take`). `row_tokens` is that length once a row of several tokens has set it.
     equal_rows: bool = False
     row_tokens: int | None = None
+    long_row: int = 0  # a row alone of this many tokens may keep its own length (n_ubatch / 2)
     rows: list[PlannedRow] = field(default_factory=list)
 
     def may_hold_sequence(self) -> bool:
@@ -185,16 +186,21 @@ class Step:
                 return
             self.cells_left += freed
 
-    def take(self, remaining: int) -> int:
+    def take(self, remaining: int, *, alone: bool = False) -> int:
         """How many of a row's `remaining` tokens it decodes in this step (0: none, it waits a step).
 
         Without equal rows: as many as the token budget allows. With them, one-token rows (a chat's
         next token, a label position) always go (they cost the step one micro-batch at most), and
         every longer row takes the step's row length: the first row sets it (all it can take) unless
-        `settle_row_tokens` chose it for a group of rows; a row shorter than it waits a step."""
+        `settle_row_tokens` chose it for a group of rows; a row shorter than it waits a step. A row
+        that has no siblings (`alone`: a state's prefix, a chat's prompt) and takes at least
+        `long_row` tokens keeps its own length: its one more micro-batch is paid by its tokens, and
+        the other rows do not wait for it."""
         budget = min(remaining, self.tokens_left)
         if not self.equal_rows or budget <= 1:
             return max(0, budget)
+        if alone and self.long_row and budget >= self.long_row:
+            return budget
         if self.row_tokens is None:
             self.row_tokens = budget
         return self.row_tokens if budget >= self.row_tokens else 0
@@ -202,9 +208,10 @@ class Step:
     def settle_row_tokens(self, remaining: Sequence[int]) -> None:
         """With equal rows, a group of rows about to be planned (a state's question branches, which
         differ in length) chooses the step's row length, if no row has set it: the length that
-        decodes the most of their tokens in this step, among their own lengths and the powers of
-        two below them (rows of many lengths meet on a few that way: a 9-question JevBench state takes
-        about 6 micro-batches in place of 9, none holding under 2 x its share of n_ubatch)."""
+        decodes the most of their tokens in this step, among their own lengths, the powers of two
+        below them and the budget split evenly (rows of many lengths meet on a few that way: a
+        12-question JevBench state took 9-11 passes in place of 10-13, and no decode more than
+        2 x ceil(tokens / n_ubatch))."""
         if not self.equal_rows or self.row_tokens is not None:
             return
         lengths = [r for r in remaining if r > 1]
@@ -217,7 +224,8 @@ class Step:
 
         own = {min(r, self.tokens_left) for r in lengths}
         powers = {1 << (r.bit_length() - 1) for r in lengths}
-        candidates = [c for c in own | powers if 1 < c <= self.tokens_left]
+        shared = {min(min(lengths), self.tokens_left // len(lengths))}  # the budget split evenly
+        candidates = [c for c in own | powers | shared if 1 < c <= self.tokens_left]
         self.row_tokens = max(candidates, key=decoded, default=None)
 
     def add(self, work: Any, row: Row, on_done: Callable[[Row], None], *, keep: bool = True) -> None:

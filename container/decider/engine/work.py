@@ -364,7 +364,7 @@ class DecisionWork:
             boundary = state.boundary
             if kept is not None and not kept.partial and boundary is not None and state.prefilled < boundary:
                 end = boundary  # a copy cannot be cut on this model: the prefill stops at the boundary once
-            take = step.take(end - state.prefilled)
+            take = step.take(end - state.prefilled, alone=True)
             if take > 0:
                 start = state.prefilled
                 assert state.seq is not None
@@ -645,7 +645,7 @@ class ChatWork:
         assert self._seq is not None
         prompt = self.plan.prompt
         if self._prefilled < len(prompt):
-            take = step.take(len(prompt) - self._prefilled)
+            take = step.take(len(prompt) - self._prefilled, alone=True)
             if take <= 0:
                 return
             start = self._prefilled
