@@ -375,12 +375,14 @@ class DecisionWork:
         if not step.equal_rows:
             self._plan_fills(state, step)
         base = len(self.head) + len(prefix)
-        while state.pending and step.tokens_left and self._fits(step, state):
+        room = self._room(state, step)
+        while state.pending and room > 0 and self._fits(step, state):
             item = state.pending.popleft()
             seq = self._acquire(step)
             assert state.seq is not None
             step.memory.seq_copy(state.seq, seq)
             self._open_branch(step, state, _Fill(item, seq, item.tokens, base))
+            room = self._room(state, step) if not step.equal_rows else room - len(item.tokens)
         if step.equal_rows:
             self._plan_fills(state, step)  # the open branches and those just opened, longest first
         if not state.pending and state.seq is not None:
@@ -398,11 +400,22 @@ class DecisionWork:
         if not step.equal_rows:
             self._plan_fills(state, step)
         before = [*self.head, *state.plan.prefix]
-        while state.pending and step.tokens_left and self._fits(step, state):
+        room = self._room(state, step)
+        while state.pending and room > 0 and self._fits(step, state):
             item = state.pending.popleft()
             self._open_branch(step, state, _Fill(item, self._acquire(step), [*before, *item.tokens], 0))
+            room = self._room(state, step) if not step.equal_rows else room - len(before) - len(item.tokens)
         if step.equal_rows:
             self._plan_fills(state, step)
+
+    @staticmethod
+    def _room(state: _StateRun, step: Step) -> int:
+        """Tokens of this step still free for new branches. With equal rows the new branches are
+        planned only after they all are open, so the open branches' unplanned tokens count as taken:
+        a branch is opened (and holds a sequence) only when the step can carry some of it."""
+        if not step.equal_rows:
+            return step.tokens_left
+        return step.tokens_left - sum(len(fill.tokens) - fill.planned for fill in state.filling)
 
     @staticmethod
     def _fits(step: Step, state: _StateRun) -> bool:
@@ -435,7 +448,7 @@ class DecisionWork:
 
     def _plan_fills(self, state: _StateRun, step: Step) -> None:
         """Branches whose prompt is longer than one step's budget continue where they stopped (with
-        equal rows: the longest first, so that the step's row length is one most of them can take)."""
+        equal rows, all the open ones at once, on the row length they settle on)."""
         fills = list(state.filling)
         step.settle_row_tokens([len(fill.tokens) - fill.planned for fill in fills])
         for fill in fills:
