@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from decider.engine.invariance import MAX_INVARIANT_UBATCH, BatchPolicy
+from decider.engine.prefix_cache import CacheBudget
 from decider.engine.schema_limits import GrammarLimits
 
 ENV_PREFIX = "DECIDER_"
@@ -118,6 +119,29 @@ class Settings(BaseSettings):
         "attention scans every cell up to the highest one in use, so a smaller span is faster under "
         "concurrency (8 clients: 0.93x the 1-client throughput at 4096 against 0.84x unbounded). "
         "Default: half of n_ctx.",
+    )
+    state_cache_cells: int | None = Field(
+        None,
+        ge=0,
+        description="Cells that decision states kept across requests may hold (decider.engine.prefix_cache): "
+        "a request whose prompt starts with a kept state copies it and decodes only what follows. Kept "
+        "states are evicted, least recently used first, whenever running work needs their cells or "
+        "sequences, so they never make a request wait. 0 turns it off; it is off with batch_invariant "
+        "(memory epochs). Default: a quarter of n_ctx.",
+    )
+    state_cache_seqs: int = Field(
+        8,
+        ge=0,
+        le=256,
+        description="Sequences kept decision states may hold (see state_cache_cells); 0: off.",
+    )
+    repeat_cache_entries: int = Field(
+        4096,
+        ge=0,
+        le=1_000_000,
+        description="Prompts whose raw label readouts are kept: the same question on the same state (same "
+        "model file, prompt version and tokens) is answered again without a decode, temperature and "
+        "permutations applied afterwards. A few KiB each; 0 turns it off.",
     )
     flash_attn: bool = Field(
         True,
@@ -269,6 +293,12 @@ class Settings(BaseSettings):
     def epoch_limit(self) -> int:
         """epoch_cells, resolved."""
         return self.epoch_cells if self.epoch_cells is not None else self.n_ctx // 2
+
+    @property
+    def cache_budget(self) -> CacheBudget:
+        """What the engine keeps across requests (state_cache_cells resolved)."""
+        cells = self.state_cache_cells if self.state_cache_cells is not None else self.n_ctx // 4
+        return CacheBudget(cells, self.state_cache_seqs, self.repeat_cache_entries)
 
     @property
     def logical_batch(self) -> int:

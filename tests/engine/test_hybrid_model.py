@@ -41,7 +41,7 @@ from decider.schemas.decision import DecisionResponse, parse_batch_request, pars
 from decider.settings import Settings
 from engine_helpers import EXAMPLE
 
-from tools.qwen35_gguf import ARCH, write_qwen35
+from tools.qwen35_gguf import ARCH
 
 pytestmark = pytest.mark.model
 
@@ -61,11 +61,6 @@ CASE = {
         "anger": {"type": "score", "instructions": "How frustrated?", "criteria": ["Calm", "Civil", "Angry"]},
     },
 }
-
-
-@pytest.fixture(scope="session")
-def qwen35_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    return write_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35-Q4_1.gguf", smollm2_path)
 
 
 class DecodeLog:
@@ -92,8 +87,17 @@ class DecodeLog:
 @pytest.fixture(scope="session")
 def hybrid(qwen35_path: Path) -> Iterator[tuple[DecisionEngine, DecodeLog]]:
     """One engine on the tiny Qwen3.5 for the session (load: about 0.3 s). `n_batch` 512: a
-    state of more than 512 tokens is prefilled over several steps."""
-    settings = Settings(model_path=qwen35_path, n_ctx=4096, n_batch=512, max_state_tokens=2048)
+    state of more than 512 tokens is prefilled over several steps. Nothing is kept across requests
+    here: these tests are about the decodes themselves (tests/engine/test_state_cache.py has the
+    caches on this model)."""
+    settings = Settings(
+        model_path=qwen35_path,
+        n_ctx=4096,
+        n_batch=512,
+        max_state_tokens=2048,
+        state_cache_seqs=0,
+        repeat_cache_entries=0,
+    )
     engine = DecisionEngine.load(settings)
     engine.decide(parse_decision_request(EXAMPLE))  # starts the private scheduler
     log = DecodeLog(engine.runtime)
@@ -114,15 +118,20 @@ def engine(hybrid: tuple[DecisionEngine, DecodeLog]) -> Iterator[DecisionEngine]
 
 
 def assert_released(engine: DecisionEngine) -> None:
+    """Nothing runs, and only the prompt head and the kept states hold memory (unpinned)."""
     scheduler = engine._local
     pool = scheduler._seqs
     assert not scheduler._works and not scheduler._admitted
     assert pool.available == engine.runtime.n_seq_max - len(pool.reserved)
+    states = scheduler.caches.states
+    kept = sorted(states.seqs) if states is not None else []
+    assert states is None or states.spare_seqs == len(states)  # no entry is pinned any more
+    assert pool.free + len(kept) == pool.available
     memory = engine.runtime._mem
     # On hybrid memory pos_max is the smaller of the two caches' answers and pos_min the larger: a
     # sequence left in either one (KV cells or a recurrent state) has pos_min >= 0.
     held = [s for s in range(engine.runtime.n_seq_max) if llama_cpp.llama_memory_seq_pos_min(memory, s) >= 0]
-    assert held == [HEAD_SEQ]  # only the cached prompt head has cells (and a recurrent state)
+    assert held == sorted([HEAD_SEQ, *kept])  # the cached prompt head, and the kept states
 
 
 def context(n_ctx: int, n_batch: int, n_ubatch: int, *, invariant: bool = False) -> ContextConfig:
@@ -213,8 +222,9 @@ def test_shared_fan_out_and_fresh_mode_agree(engine: DecisionEngine) -> None:
     shared = decide(engine, CASE, extensions=True)
     fresh = decide(engine, CASE, mode="fresh", extensions=True)
     assert (shared.extensions["mode"], shared.extensions["branches"]) == ("shared", 3)
-    assert shared.extensions["decodes"] == 2  # the state's prefill, then every branch at once
-    assert (fresh.extensions["mode"], fresh.extensions["decodes"]) == ("fresh", 1)
+    # The state's prefill, then the branches: rows of one length per decode (test_the_rows_of_...)
+    assert shared.extensions["decodes"] >= 2
+    assert fresh.extensions["mode"] == "fresh" and fresh.extensions["decodes"] >= 1  # one length a decode
     assert_agree(distributions(fresh), distributions(shared))
     assert distributions(decide(engine, CASE)) == distributions(shared)  # same batches: same bits
 
@@ -388,3 +398,36 @@ def test_a_cancelled_decode_stops_inside_llama_decode_and_leaves_the_engine_clea
     assert log.outcomes[-1] == DecodeAbortedError.__name__
     log.outcomes.pop()
     assert decide(engine, fresh).to_wire() == before
+
+
+def test_the_rows_of_a_decode_share_one_length_so_it_takes_few_forward_passes(
+    qwen35_path: Path, jevbench_cases: list[dict[str, Any]]
+) -> None:
+    """llama.cpp cuts a hybrid model's decode into micro-batches of equal tokens per sequence, one
+    more for each distinct row length: 12 branches of 12 lengths in one decode took 11 passes for
+    815 tokens. The scheduler gives the rows of a decode one length (one-token rows aside), so each
+    decode takes at most 2 x ceil(tokens / n_ubatch) forward passes, counted inside llama.cpp."""
+    settings = Settings(model_path=qwen35_path, state_cache_seqs=0, repeat_cache_entries=0)
+    engine = DecisionEngine.load(settings, count_passes=True)
+    runtime = engine.runtime
+    decodes: list[tuple[int, int, set[int]]] = []
+    real = runtime.decode
+
+    def counted(rows: list[Row], **kwargs: Any) -> None:
+        before = runtime.passes
+        real(rows, **kwargs)
+        decodes.append(
+            (sum(len(r.tokens) for r in rows), runtime.passes - before, {len(r.tokens) for r in rows})
+        )
+
+    runtime.decode = counted  # type: ignore[method-assign]
+    try:
+        case = max(jevbench_cases[:20], key=lambda c: len(c["questions"]))
+        engine.decide(parse_decision_request({"state": case["state"], "questions": case["questions"]}))
+    finally:
+        engine.close()
+    n_ubatch = settings.micro_batch
+    assert len(case["questions"]) >= 10 and decodes
+    for tokens, passes, lengths in decodes:
+        assert len(lengths - {1}) <= 1, lengths
+        assert 1 <= passes <= 2 * -(-tokens // n_ubatch), (tokens, passes)

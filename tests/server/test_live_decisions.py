@@ -71,7 +71,10 @@ def test_openai_sdk_decisions_create_parses_every_answer_type(live_server: Local
     assert type(typed.choice) is type(max(typed.probabilities, key=lambda p: p.probability).value)
     usage = decision.usage
     assert usage.input_tokens > 0 and usage.output_tokens == 0 and usage.total_tokens == usage.input_tokens
-    assert usage.input_tokens_details.cached_tokens == 0 and usage.output_tokens_details.reasoning_tokens == 0
+    # Other tests may have asked about this state already: what was kept is reported, never more than
+    # the prompt (test_live_cache.py pins the counts down on states of its own).
+    assert 0 <= usage.input_tokens_details.cached_tokens < usage.input_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0
 
 
 def test_the_same_question_gives_the_same_probabilities_on_both_routes(live_server: LocalServer) -> None:

@@ -405,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="DECIDER_N_THREADS (default: cores)")
     parser.add_argument("--n-gpu-layers", type=int, default=0)
+    parser.add_argument(
+        "--hybrid-layers", type=int, default=16, help="the hybrid model's layers (default 16)"
+    )
+    parser.add_argument("--hybrid-embd", type=int, default=512, help="its width (default 512)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers to this file")
     parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -475,11 +479,88 @@ def main(argv: list[str] | None = None) -> int:
             row["invariant_seconds"] = other["seconds"]
             row["default_seconds_beside"] = other["default_seconds"]
 
+    with phase(console, f"forward passes on a {args.hybrid_layers}x{args.hybrid_embd} qwen35 (hybrid): W1"):
+        passes = hybrid_passes_run(w1, args.hybrid_layers, args.hybrid_embd)
     results = report(console, runs, invariant, options, admission, settings)
+    results["hybrid_passes"] = passes
+    print_passes(console, passes)
     if args.json:
         args.json.write_text(json.dumps({"model": engine.model_info.id, "results": results}, indent=2))
     print(last_line(results))
+    print(passes_line(passes))
     return 0
+
+
+def hybrid_passes_run(workload: Workload, layers: int, embd: int) -> dict[str, dict[str, float]]:
+    """W1 on the hybrid model, with and without rows of one length per decode: llama.cpp's forward
+    passes (micro-batches, counted inside llama.cpp), decodes, tokens and seconds (best of 2).
+    `per_decode_vs_target`: the largest passes / (2 x ceil(tokens / n_ubatch)) over the decodes."""
+    from tools.bench.server import hybrid_model
+
+    model = hybrid_model(layers, embd, smollm2_path())
+    settings = Settings(model_path=model, state_cache_seqs=0, repeat_cache_entries=0)
+    engine = DecisionEngine.load(settings, count_passes=True)
+    runtime = engine.runtime
+    n_ubatch = settings.micro_batch
+    engine.decide(parse(workload.bodies[0]))  # warm-up, and starts the private scheduler
+    real = runtime.decode
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for name, equal in (("equal_rows", True), ("rows_as_planned", False)):
+            engine._local.equal_rows = equal
+            counts = {"decodes": 0, "tokens": 0, "passes": 0, "worst": 0.0}
+
+            def counted(rows: list[Row], counts: dict[str, Any] = counts, **kwargs: Any) -> None:
+                before = runtime.passes
+                real(rows, **kwargs)
+                tokens = sum(len(row.tokens) for row in rows)
+                passes = runtime.passes - before
+                counts["decodes"] += 1
+                counts["tokens"] += tokens
+                counts["passes"] += passes
+                counts["worst"] = max(counts["worst"], passes / (2 * math.ceil(tokens / n_ubatch)))
+
+            runtime.decode = counted  # type: ignore[method-assign]
+            seconds, _ = best_of(2, lambda: [engine.decide(parse(body)) for body in workload.bodies])
+            runtime.decode = real  # type: ignore[method-assign]
+            out[name] = {
+                "decodes": counts["decodes"] / 2,
+                "tokens": counts["tokens"] / 2,
+                "passes": counts["passes"] / 2,
+                "per_decode_vs_target": counts["worst"],
+                "seconds": seconds,
+            }
+    finally:
+        runtime.decode = real  # type: ignore[method-assign]
+        engine.close()
+    return out
+
+
+def print_passes(console: Console, passes: dict[str, dict[str, float]]) -> None:
+    table = Table(title="W1 on the hybrid model: forward passes (llama.cpp micro-batches) per decode")
+    for column in ("rows", "decodes", "tokens", "passes", "max passes / (2×⌈tokens/n_ubatch⌉)", "seconds"):
+        table.add_column(column, justify="right")
+    for name, row in passes.items():
+        table.add_row(
+            name, f"{row['decodes']:.0f}", f"{row['tokens']:.0f}", f"{row['passes']:.0f}",
+            f"{row['per_decode_vs_target']:.2f}", f"{row['seconds']:.2f}",
+        )  # fmt: skip
+    table.caption = "target: ≤ 1.00 with equal rows (every decode within 2×⌈tokens/n_ubatch⌉ passes)"
+    console.print(table)
+
+
+def passes_line(passes: dict[str, dict[str, float]]) -> str:
+    equal, planned = passes["equal_rows"], passes["rows_as_planned"]
+    return key_values(
+        (
+            ("hybrid_w1_passes", f"{equal['passes']:.0f}"),
+            ("hybrid_w1_decodes", f"{equal['decodes']:.0f}"),
+            ("hybrid_passes_per_decode_vs_target", equal["per_decode_vs_target"]),
+            ("hybrid_passes_as_planned", f"{planned['passes']:.0f}"),
+            ("hybrid_as_planned_per_decode_vs_target", planned["per_decode_vs_target"]),
+            ("hybrid_equal_rows_speedup", ratio(planned["seconds"], equal["seconds"])),
+        )
+    )
 
 
 def report(

@@ -31,6 +31,20 @@ all cores), side by side on the same requests:
    each carrying the earlier turns: time to first token of the last turn over the first
    (`ttft_last_over_first`; the target is at most 1.5 at turn 5, with the previous turn's tokens
    reused).
+7. Real traffic (`traffic_levels`), each level on a fresh server with the default
+   settings (states and exact repeats kept across requests) and a fresh llama-server, our side
+   first, then llama-server's text route on the same questions, at 1 and 4 clients:
+   - `repeat`: `--repeat-cases` cases (default 8) asked `--repeat-rounds` times (default 3), round
+     robin, as an agent re-asks its states;
+   - `hybrid` and `hybrid_repeat`: the same, once and repeated, on a random-weight qwen35 GGUF of
+     realistic proportions (`--hybrid-layers` 16 of `--hybrid-embd` 512, tools/qwen35_gguf.py, written
+     once under .bench/), the production model's architecture.
+   Each line has both sides' wall seconds and evaluated tokens (ours: the tokens decoded, from
+   /metrics; theirs: `timings.prompt_n`) and the tokens our responses report as cached. Without
+   llama-server, our side is printed alone (`decision_vs_text=nan`).
+   Phases 1-4 ask each case once, and the sweep asks the same requests at every level: there the
+   server runs with both caches off (DECIDER_STATE_CACHE_SEQS=0, DECIDER_REPEAT_CACHE_ENTRIES=0), so
+   that a level is never a replay of the one before.
 
 The last lines are machine-readable (times in seconds; ratios against the 1-client run):
     http_vs_engine=… ping_p99=…
@@ -43,6 +57,8 @@ The last lines are machine-readable (times in seconds; ratios against the 1-clie
       p95_beside=… decision_errors=… chat_ends=…
     multi_turn=5 ttft_first=… ttft_last=… ttft_last_over_first=… prompt_tokens_first=… prompt_tokens_last=…
       turn_ends=…
+    level=repeat concurrency=1 decision_vs_text=… decision_seconds=… text_seconds=…
+      decision_tokens=… cached_tokens=… text_prompt_tokens=… errors=…   (repeat, hybrid, hybrid_repeat)
 
 JevBench data: Apache-2.0, Copyright 2026 Chen Feng (the `jevbench` package's cases: tools.evaluate.jevbench).
 """
@@ -86,6 +102,10 @@ from tools.local_server import run_local_server
 
 DEFAULT_CASES = JEVBENCH_240_CASES
 TEXT_ROUTE_CLIENTS = (1, 4)
+# The once-asked phases and the sweep (which asks the same requests at every level) run without
+# the caches: a level must not replay the one before. The traffic levels run with the defaults.
+NO_CACHES = {"state_cache_seqs": 0, "repeat_cache_entries": 0}
+BENCH_DIR = Path(__file__).resolve().parents[2] / ".bench"
 CLIENT_TIMEOUT_SECONDS = 120  # above the server's 55 s deadline: the server, not the client, gives up
 # The /metrics series the sweep reads (counter and histogram sums/counts, cumulative since start).
 ENGINE_SERIES = (
@@ -493,7 +513,20 @@ def main(argv: list[str] | None = None) -> int:
         help="llama-server binary for the text route (default: the "
         "one `make llama-server` built, else PATH; none: the text route is skipped)",
     )
+    parser.add_argument("--repeat-cases", type=int, default=8, help="cases of the repeat levels (default 8)")
+    parser.add_argument("--repeat-rounds", type=int, default=3, help="times each is asked (default 3)")
+    parser.add_argument(
+        "--hybrid-layers", type=int, default=16, help="layers of the hybrid GGUF (default 16)"
+    )
+    parser.add_argument("--hybrid-embd", type=int, default=512, help="its width (default 512)")
+    parser.add_argument(
+        "--levels",
+        default="all",
+        help="'all', or 'traffic' for the repeat and hybrid levels alone (default all)",
+    )
     args = parser.parse_args(argv)
+    if args.levels == "traffic":
+        return traffic_main(args)
     if args.quick:
         args.requests, args.overhead_cases, args.batch_states, args.text_requests = 8, 2, 3, 4
     levels_wanted = sorted({1, *(int(n) for n in args.concurrency.split(",") if n.strip())})
@@ -509,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = sum(len(case["questions"]) for case in sweep_cases)
     fields = model_settings(args, smollm2_path())
     settings = Settings(**fields)
-    env = {Settings.env_name(name): str(value) for name, value in fields.items()}
+    env = {Settings.env_name(name): str(value) for name, value in {**fields, **NO_CACHES}.items()}
     console.print(
         f"[bold]bench-server[/]: {Path(settings.model_path).name}, threads={settings.threads()}, "
         f"n_gpu_layers={settings.n_gpu_layers}, batch_invariant={settings.batch_invariant}; "
@@ -596,7 +629,136 @@ def main(argv: list[str] | None = None) -> int:
     if multi_turn:
         print(multi_turn_line(multi_turn))
     failed = failed or any(result.beside.errors or result.alone.errors for result in mixed)
-    return 1 if failed or ping_failures else 0
+    traffic_failed = traffic_main(args)
+    return 1 if failed or ping_failures or traffic_failed else 0
+
+
+# --- real traffic: repeats, and the hybrid model ---------------------------------------------------
+@dataclass
+class TrafficLevel:
+    """Our server and llama-server's text route on the same questions, each fresh (`traffic_levels`)."""
+
+    name: str
+    clients: int
+    ours: Level
+    text: Any = None  # TextRun, or None without llama-server
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(int((o.body or {}).get("extensions", {}).get("cached_tokens", 0)) for o in self.ours.ok)
+
+    def line(self) -> str:
+        text_seconds = self.text.wall_seconds if self.text is not None else math.nan
+        decoded = self.ours.counters.get("decider_engine_decode_tokens_sum", math.nan)
+        return key_values(
+            (
+                ("level", self.name),
+                ("concurrency", str(self.clients)),
+                ("decision_vs_text", ratio(text_seconds, self.ours.wall_seconds)),
+                ("decision_seconds", f"{self.ours.wall_seconds:.2f}"),
+                ("text_seconds", f"{text_seconds:.2f}"),
+                ("decision_tokens", f"{decoded:.0f}"),
+                ("cached_tokens", str(self.cached_tokens)),
+                ("text_prompt_tokens", str(self.text.prompt_tokens) if self.text is not None else "-"),
+                ("errors", str(sum(self.ours.errors.values()) + (self.text.errors if self.text else 0))),
+                ("error_codes", ",".join(f"{code}:{n}" for code, n in self.ours.errors.items()) or "-"),
+            )
+        )
+
+
+def round_robin(bodies: list[dict[str, Any]], rounds: int) -> list[dict[str, Any]]:
+    """The same cases asked `rounds` times, one round after the other (an agent re-asking its states)."""
+    return [body for _ in range(rounds) for body in bodies]
+
+
+def hybrid_model(layers: int, embd: int, tokenizer: Path) -> Path:
+    """A random-weight qwen35 GGUF of `layers` x `embd` (written once under .bench/): the production
+    model's architecture at a size this machine runs; the proportions of tools/qwen35_gguf.py's."""
+    from tools.qwen35_gguf import HybridShape, write_qwen35
+
+    path = BENCH_DIR / f"qwen35-{layers}x{embd}-random-Q4_1.gguf"
+    if not path.is_file():
+        heads = max(2, embd // 64)
+        shape = HybridShape(
+            n_embd=embd, n_layer=layers, n_head=heads, n_head_kv=max(1, heads // 4), head_dim=64,
+            rope_dim=16, rope_sections=(3, 3, 2, 0), n_ff=3 * embd, ssm_state=64,
+            ssm_groups=max(1, heads // 2), ssm_v_heads=heads,
+        )  # fmt: skip
+        BENCH_DIR.mkdir(exist_ok=True)
+        partial = path.with_suffix(".partial")
+        write_qwen35(partial, tokenizer, shape=shape)
+        partial.rename(path)
+    return path
+
+
+def traffic_levels(
+    console: Console,
+    name: str,
+    env: dict[str, str],
+    settings: Any,
+    bodies: list[dict[str, Any]],
+    asked: list[Any],
+    warm_up: tuple[dict[str, Any], list[Any]],
+    binary: Path | None,
+) -> list[TrafficLevel]:
+    """`bodies` on a fresh server with `env`, then their questions (`asked`) on a fresh llama-server,
+    at each of TEXT_ROUTE_CLIENTS; both warmed up on a case outside the measured ones."""
+    levels = []
+    for clients in TEXT_ROUTE_CLIENTS:
+        console.print(f"[dim]{name}: {clients} client(s), {len(bodies)} requests…[/]")
+        with run_local_server(env) as server:
+            run_clients(server.base_url, "/invocations", [warm_up[0]], 1, None)
+            ours = measured_level(server.base_url, "/invocations", bodies, clients, None)
+        text = None
+        if binary is not None:
+            try:
+                with run_llama_server(
+                    binary,
+                    Path(settings.model_path),
+                    settings.threads(),
+                    max(TEXT_ROUTE_CLIENTS),
+                    settings.n_ctx,
+                ) as llama:
+                    run_text_route(llama.base_url, warm_up[1], 1)
+                    text = run_text_route(llama.base_url, asked, clients)
+            except RuntimeError as exc:
+                console.print(f"[red]{name}: text route skipped: {exc}[/]")
+        levels.append(TrafficLevel(name, clients, ours, text))
+    return levels
+
+
+def traffic_main(args: Any) -> int:
+    """The repeat and hybrid levels (see the module docstring); 1 if a request failed."""
+    from decider.engine import DecisionEngine
+    from decider.engine.bundled import smollm2_path
+    from decider.settings import Settings
+
+    console = Console(width=200)
+    cases = load_cases(args.cases)
+    chosen = spread(cases, args.repeat_cases)
+    once = [request_body(case, extensions=True) for case in chosen]
+    repeated = round_robin(once, args.repeat_rounds)
+    outside = next(case for case in cases if case not in chosen)
+    binary = find_llama_server(args.llama_server)
+    if binary is None:
+        console.print("[yellow]traffic levels: no llama-server, our side only (`make llama-server`)[/]")
+    fields = model_settings(args, smollm2_path())
+    settings = Settings(**fields)
+    engine = DecisionEngine.load(settings)  # the text route's prompts: same tokenizer on both models
+    warm_up = (request_body(outside, extensions=True), text_questions(engine, [request_body(outside)]))
+    asked_once, asked_repeated = text_questions(engine, once), text_questions(engine, repeated)
+    engine.close()
+    env = {Settings.env_name(name): str(value) for name, value in fields.items()}
+    levels = traffic_levels(console, "repeat", env, settings, repeated, asked_repeated, warm_up, binary)
+    hybrid = hybrid_model(args.hybrid_layers, args.hybrid_embd, smollm2_path())
+    hybrid_fields = {**fields, "model_path": hybrid}
+    hybrid_settings = Settings(**hybrid_fields)
+    hybrid_env = {Settings.env_name(name): str(value) for name, value in hybrid_fields.items()}
+    for name, bodies, asked in (("hybrid", once, asked_once), ("hybrid_repeat", repeated, asked_repeated)):
+        levels += traffic_levels(console, name, hybrid_env, hybrid_settings, bodies, asked, warm_up, binary)
+    for level in levels:
+        print(level.line())
+    return 1 if any(level.ours.errors or (level.text and level.text.errors) for level in levels) else 0
 
 
 @dataclass

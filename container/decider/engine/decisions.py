@@ -312,17 +312,24 @@ class DecisionPlanner:
             )
 
     # --- answers -----------------------------------------------------------------------------------
-    def respond(self, plan: DecisionPlan, stats: dict[str, Any]) -> DecisionResponse | BatchDecisionResponse:
-        responses = [self._state_response(plan, state, stats) for state in plan.states]
+    def respond(
+        self, plan: DecisionPlan, stats: dict[str, Any], *, cached: Sequence[int] = ()
+    ) -> DecisionResponse | BatchDecisionResponse:
+        """The response; `cached[i]`: prompt tokens of state i read from the caches, not decoded."""
+        responses = [
+            self._state_response(plan, state, stats, cached[i] if i < len(cached) else 0)
+            for i, state in enumerate(plan.states)
+        ]
         if not plan.batch:
             return responses[0]
         total = sum(response.usage.input_tokens for response in responses)
+        reused = sum(response.usage.cached_tokens for response in responses)
         return BatchDecisionResponse(
-            results=tuple(responses), usage=Usage(input_tokens=total, output_tokens=0)
+            results=tuple(responses), usage=Usage(input_tokens=total, output_tokens=0, cached_tokens=reused)
         )
 
     def _state_response(
-        self, plan: DecisionPlan, state: StatePlan, stats: dict[str, Any]
+        self, plan: DecisionPlan, state: StatePlan, stats: dict[str, Any], cached: int = 0
     ) -> DecisionResponse:
         request = plan.options
         by_question: dict[str, list[Item]] = {}
@@ -354,12 +361,13 @@ class DecisionPlanner:
                 "prefix_tokens": (head + len(state.prefix)) if plan.mode == "shared" else 0,
                 "suffix_tokens": sum(len(item.tokens) for item in state.items),
                 "branches": len(state.items),
+                "cached_tokens": cached,
                 **stats,
             }
         return DecisionResponse(
             model=self.model_id,
             answers=answers,
-            usage=Usage(input_tokens=input_tokens, output_tokens=0),
+            usage=Usage(input_tokens=input_tokens, output_tokens=0, cached_tokens=cached),
             extensions=extensions,
         )
 

@@ -91,8 +91,9 @@ class DecisionEngine:
 
     # --- loading ---------------------------------------------------------------------------------
     @classmethod
-    def load(cls, settings: Settings) -> DecisionEngine:
-        """Load the model named by the settings; any problem is a one-line `StartupError`."""
+    def load(cls, settings: Settings, *, count_passes: bool = False) -> DecisionEngine:
+        """Load the model named by the settings; any problem is a one-line `StartupError`.
+        `count_passes`: the runtime counts forward passes (`runtime.passes`; benchmarks, tests)."""
         path = resolve_model_file(settings)
         digest = verify_sha256(path, settings)
         config = ContextConfig(
@@ -101,6 +102,7 @@ class DecisionEngine:
             n_threads=settings.threads(),
             n_gpu_layers=settings.n_gpu_layers,
             flash_attn=settings.flash_attn,
+            count_passes=count_passes,
         )
         try:
             runtime = LlamaRuntime(path, config)
@@ -180,6 +182,11 @@ class DecisionEngine:
     def head_tokens(self) -> list[int]:
         return self.planner.builder.head_tokens
 
+    @property
+    def cache_namespace(self) -> str:
+        """What exact repeats are keyed under: the model file's digest and the prompt version."""
+        return f"{self.model_info.sha256}|{self.model_info.prompt_version}"
+
     def count_tokens(self, text: str) -> int:
         """Tokens of caller text, as the prompt holds them."""
         return len(self._caller.tokenize(text))
@@ -220,9 +227,12 @@ class DecisionEngine:
     def _run_local(self, work: Any, kind: str) -> Any:
         if self._local is None:
             self._local = Scheduler(
-                queue_size=1024, deadline_seconds=3600, epoch_cells=self.settings.epoch_limit
+                queue_size=1024,
+                deadline_seconds=3600,
+                epoch_cells=self.settings.epoch_limit,
+                cache_budget=self.settings.cache_budget,
             )
-            self._local.attach(self._rt, self.head_tokens)
+            self._local.attach(self._rt, self.head_tokens, namespace=self.cache_namespace)
         now = time.monotonic()
         job = Job(kind, uuid.uuid4().hex, now + 3600, now, work.cost)
         return self._local.submit(job, work).result()

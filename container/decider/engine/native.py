@@ -93,6 +93,19 @@ class ContextConfig:
     n_threads: int
     n_gpu_layers: int
     flash_attn: bool
+    count_passes: bool = False  # count forward passes (micro-batches): benchmarks and tests only
+
+
+EMBEDDING_NODES = (b"embd", b"inp_embd", b"model.input_embed")  # the first node's name, by graph
+
+
+def _ggml_get_name() -> Callable[[int], bytes | None]:
+    """ggml's `ggml_get_name` (the binding does not wrap it), from the library llama.cpp loaded."""
+    library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    function = library.ggml_get_name
+    function.restype = ctypes.c_char_p
+    function.argtypes = [ctypes.c_void_p]
+    return function  # type: ignore[no-any-return]
 
 
 class LlamaRuntime:
@@ -144,6 +157,20 @@ class LlamaRuntime:
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         ctx_params.no_perf = True
+        # Forward passes: the graph of every micro-batch starts from the token embeddings, and the
+        # eval callback is asked about each node once per pass (it observes none).
+        self.passes = 0
+        if config.count_passes:
+            name_of = _ggml_get_name()
+
+            def observe(tensor: int, ask: bool, _data: Any) -> bool:
+                if ask and name_of(tensor) in EMBEDDING_NODES:
+                    self.passes += 1
+                return not ask  # observe nothing: the graph runs unsplit
+
+            self._eval_cb = llama_cpp.ggml_backend_sched_eval_callback(observe)
+            ctx_params.cb_eval = self._eval_cb
+            ctx_params.cb_eval_user_data = None
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             llama_cpp.llama_model_free(self._model)
@@ -287,6 +314,18 @@ class LlamaRuntime:
         """Remove a whole sequence (always possible, unlike a partial truncation)."""
         if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, -1, -1):
             raise NativeError(f"could not remove sequence {seq_id}")
+
+    def seq_truncate(self, seq_id: int, position: int) -> None:
+        """Remove a sequence's positions from `position` on (attention-only models: `partial_reuse`)."""
+        if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, position, -1):
+            raise NativeError(f"could not cut sequence {seq_id} at {position}")
+
+    @property
+    def partial_reuse(self) -> bool:
+        """Whether a copied sequence may be cut to a shorter prefix and extended from there: not on
+        recurrent or hybrid models (a recurrent state cannot go back) nor with a sliding window
+        (cells past the window may be gone)."""
+        return not self.recurrent and self.n_swa == 0
 
     # --- decoding ------------------------------------------------------------------------------
     def decode(self, rows: Sequence[Row], *, should_abort: Callable[[], bool] | None = None) -> None:

@@ -46,6 +46,7 @@ from decider.engine.admission import Ahead, ChatLengths, finish_cost
 from decider.engine.cost import Cost, CostModel, span_attended
 from decider.engine.invariance import HEAD_SEQ, BatchPolicy
 from decider.engine.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
+from decider.engine.prefix_cache import CacheBudget, Caches, RepeatCache, StateCache
 from decider.engine.steps import PlannedRow, SeqPool, Step
 from decider.engine.work import Work
 from decider.errors import (
@@ -200,8 +201,13 @@ class Scheduler:
         deadline_seconds: float,
         metrics: Any = None,
         epoch_cells: int | None = None,
+        cache_budget: CacheBudget | None = None,
     ) -> None:
         self.queue_size = queue_size
+        self.cache_budget = cache_budget or CacheBudget()  # default: nothing kept across requests
+        # Rows of one length per decode (steps.Step.take); None: on recurrent and hybrid backends.
+        self.equal_rows: bool | None = None
+        self.caches = Caches(None, None)
         self.epoch_cells = epoch_cells  # None: no cap on the decision starts of a memory epoch
         self.deadline_seconds = deadline_seconds
         self._metrics = metrics if metrics is not None else NoMetrics()
@@ -241,17 +247,38 @@ class Scheduler:
             self._cond.notify()
         return future
 
-    def attach(self, backend: Backend, head_tokens: list[int]) -> None:
+    def attach(self, backend: Backend, head_tokens: list[int], *, namespace: str = "") -> None:
         """Start batching on a loaded model, after the load (on the engine thread in the server).
 
         The batch policy says which sequences are reserved, and whether memory epochs keep cells in
-        place (batch invariance: decider.engine.invariance).
+        place (batch invariance: decider.engine.invariance). `namespace` names the model file and
+        prompt version the repeat cache keys its entries under.
+
+        Kept states need cells that stay where they are across requests; memory epochs free every
+        dead cell below them at once, and new tokens would land there, out of position order. So
+        with batch invariance only exact repeats are kept (their readouts are bitwise those of a new
+        decode in that mode), never states.
         """
         policy = backend.policy
         self._seqs = SeqPool(backend.n_seq_max, policy.reserved_seqs, graveyards=policy.graveyards)
         self._head = list(head_tokens)
         self._step_tokens = policy.step_tokens
         self._backend = backend
+        budget = self.cache_budget
+        states = None
+        if budget.states and not policy.epochs:
+            states = StateCache(
+                backend,  # type: ignore[arg-type]
+                self._seqs,
+                head=len(self._head),
+                max_cells=budget.state_cells,
+                max_seqs=budget.state_seqs,
+                partial=bool(getattr(backend, "partial_reuse", False)),
+                metrics=self._metrics,
+            )
+            self._seqs.reclaimer = states
+        repeats = RepeatCache(budget.repeat_entries, metrics=self._metrics) if budget.repeat_entries else None
+        self.caches = Caches(states, repeats, namespace)
         self._decode_head(backend)  # before /ping turns 200: the first request does not pay for it
 
     # --- admission (event loop) ----------------------------------------------------------------
@@ -495,6 +522,9 @@ class Scheduler:
             step = self._plan(backend)
             if step.rows:
                 self._stalled_since = None
+            elif any(r.work.finished for r in self._works):  # answered from the caches, no decode
+                self._complete()
+                return
             else:
                 self._unblock()
                 with self._cond:  # nothing can move until a deadline passes or new work arrives
@@ -546,8 +576,18 @@ class Scheduler:
         return used >= self.epoch_cells
 
     def _free_cells(self, backend: Backend) -> int:
+        """Cells no work holds; kept states' cells count as held (a step evicts them on demand)."""
         held = sum(r.work.footprint().held for r in self._works) + self._dead_cells()
+        if self.caches.states is not None:
+            held += self.caches.states.cells
         return backend.n_ctx - len(self._head) - backend.policy.reserved_cells - held
+
+    def _evict_states_for(self, cells: int, backend: Backend) -> None:
+        """Evict unpinned kept states until `cells` are free beyond what waiting work claims."""
+        states = self.caches.states
+        while states is not None and self._free_cells(backend) - self._cells_claimed < cells:
+            if states.evict_one() is None:
+                return
 
     def _make_room_for_chats(self, backend: Backend) -> None:
         """Every generating chat takes one cell in each step, and leaves free the cells that the
@@ -558,6 +598,10 @@ class Scheduler:
         assert self._seqs is not None
         chats = [r for r in self._works if r.work.kind == "chat" and r.work.cells_wanted]  # type: ignore[attr-defined]
         need, free = len(chats), self._free_cells(backend) - self._cells_claimed
+        if need <= free:
+            return
+        self._evict_states_for(need, backend)  # a kept state never stops a chat
+        free = self._free_cells(backend) - self._cells_claimed
         if need <= free:
             return
         if any(r.work.kind != "chat" and r.work.footprint().held for r in self._works):
@@ -576,6 +620,9 @@ class Scheduler:
         assert self._seqs is not None
         self._make_room_for_chats(backend)
         policy = backend.policy
+        equal_rows = (
+            self.equal_rows if self.equal_rows is not None else bool(getattr(backend, "recurrent", False))
+        )
         step = Step(
             backend,
             self._seqs,
@@ -583,6 +630,9 @@ class Scheduler:
             self._free_cells(backend),
             running=[r.work for r in self._works],
             growth_floor=self._cells_claimed,
+            caches=self.caches,
+            equal_rows=equal_rows,
+            long_row=policy.n_ubatch // 2,
         )
         step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self._works)
         epoch_full = self._epoch_full()
@@ -604,7 +654,8 @@ class Scheduler:
                 self._remove(running, internal_error(exc))
                 continue
             waiting_ahead = waiting_ahead or running.work.wants_start
-            if len(step.rows) > before and running.job.started_at is None:
+            progressed = len(step.rows) > before or running.work.finished
+            if progressed and running.job.started_at is None:
                 running.job.started_at = now
                 self._metrics.queue_wait.labels(running.job.kind).observe(now - running.job.admitted_at)
         self._cells_claimed = step.waiting_for_cells
@@ -792,6 +843,8 @@ class Scheduler:
         backend.clear()
         assert self._seqs is not None
         self._seqs.reset()
+        if self.caches.states is not None:
+            self.caches.states.clear()  # their sequences went with the clear
         self._dead_removed = 0
         self._head_ready = False
 

@@ -34,24 +34,50 @@ class Memory(Protocol):
     def seq_remove(self, seq_id: int) -> None: ...
 
 
+class Reclaimer(Protocol):
+    """Something that holds sequences nobody needs right now and gives them back on demand (the
+    state cache: decider.engine.prefix_cache)."""
+
+    @property
+    def spare_seqs(self) -> int: ...
+
+    def evict_one(self) -> int | None: ...
+
+
 class SeqPool:
-    """Sequence ids of the one context: reserved ones (head, pad, graveyards) and a free list."""
+    """Sequence ids of the one context: reserved ones (head, pad, graveyards) and a free list.
+
+    With a `reclaimer`, the sequences it could give back count as available, and `acquire` takes
+    one from it when the free list is empty: a cache never makes running work wait."""
 
     def __init__(self, n_seq_max: int, reserved: Iterable[int], graveyards: tuple[int, ...] = ()) -> None:
         self.graveyards = graveyards
         self.reserved = frozenset(reserved) | frozenset(graveyards)
         self._all = [seq for seq in range(n_seq_max - 1, -1, -1) if seq not in self.reserved]
         self._free = list(self._all)
+        self.reclaimer: Reclaimer | None = None
+
+    @property
+    def free(self) -> int:
+        """Sequences nobody holds, the cache's left out."""
+        return len(self._free)
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        spare = self.reclaimer.spare_seqs if self.reclaimer is not None else 0
+        return len(self._free) + spare
+
+    def take_free(self) -> int | None:
+        """A sequence from the free list only (what the cache itself takes: it never evicts for it)."""
+        return self._free.pop() if self._free else None
 
     @property
     def epochs(self) -> bool:
         return bool(self.graveyards)
 
     def acquire(self) -> int | None:
+        if not self._free and self.reclaimer is not None:
+            self.reclaimer.evict_one()  # gives its sequence back through `release`
         return self._free.pop() if self._free else None
 
     def release(self, memory: Memory, seq: int) -> None:
@@ -117,6 +143,13 @@ class Step:
     # (set by the scheduler), and what the first unit refused for lack of cells needs (read by it).
     growth_floor: int = 0
     waiting_for_cells: int = 0
+    caches: Any = None  # the scheduler's kept states and repeats (decider.engine.prefix_cache.Caches)
+    # Recurrent and hybrid models: llama.cpp cuts a decode into micro-batches of equal tokens per
+    # sequence (split_equal), about one per distinct row length, so the rows of a step share one
+    # length (`take`). `row_tokens` is that length once a row of several tokens has set it.
+    equal_rows: bool = False
+    row_tokens: int | None = None
+    long_row: int = 0  # a row alone of this many tokens may keep its own length (n_ubatch / 2)
     rows: list[PlannedRow] = field(default_factory=list)
 
     def may_hold_sequence(self) -> bool:
@@ -131,7 +164,8 @@ class Step:
         - Nothing starts while the gate is closed.
         - A state too large for one epoch holds cells alone: it waits until no state holds any.
         - No other state starts while such a state runs.
-        - The unit's cells must all be free, and one holding a sequence needs `may_hold_sequence`.
+        - The unit's cells must all be free (kept states are evicted for them first), and one
+          holding a sequence needs `may_hold_sequence`.
         """
         if not self.starts_allowed:
             return False
@@ -140,6 +174,7 @@ class Step:
             return False
         if unit is Unit.STATE and any(footprint.streams_alone for footprint in held):
             return False
+        self._reclaim_cells(cells)
         if self.cells_left < cells:
             self.waiting_for_cells = self.waiting_for_cells or cells
             return False
@@ -150,11 +185,66 @@ class Step:
 
     def take_cells(self, cells: int) -> bool:
         """Take `cells` free cells for a row of a started unit that grows as it goes (a chat's next
-        token), if they are free beyond `growth_floor`; the gate does not apply: it has started."""
+        token), if they are free beyond `growth_floor` (kept states are evicted for them first); the
+        gate does not apply: it has started."""
+        self._reclaim_cells(cells + self.growth_floor)
         if self.cells_left - self.growth_floor < cells:
             return False
         self.cells_left -= cells
         return True
+
+    def _reclaim_cells(self, cells: int) -> None:
+        """Evict kept states (least recently used, unpinned) until `cells` are free, or none is left."""
+        states = self.caches.states if self.caches is not None else None
+        if states is None or self.cells_left >= cells or self.cells_left + states.spare_cells < cells:
+            return  # nothing to evict, or evicting everything would not be enough
+        while self.cells_left < cells:
+            freed = states.evict_one()
+            if freed is None:
+                return
+            self.cells_left += freed
+
+    def take(self, remaining: int, *, alone: bool = False) -> int:
+        """How many of a row's `remaining` tokens it decodes in this step (0: none, it waits a step).
+
+        Without equal rows: as many as the token budget allows. With them, one-token rows (a chat's
+        next token, a label position) always go (they cost the step one micro-batch at most), and
+        every longer row takes the step's row length: the first row sets it (all it can take) unless
+        `settle_row_tokens` chose it for a group of rows; a row shorter than it waits a step. A row
+        that has no siblings (`alone`: a state's prefix, a chat's prompt) and takes at least
+        `long_row` tokens keeps its own length: its one more micro-batch is paid by its tokens, and
+        the other rows do not wait for it."""
+        budget = min(remaining, self.tokens_left)
+        if not self.equal_rows or budget <= 1:
+            return max(0, budget)
+        if alone and self.long_row and budget >= self.long_row:
+            return budget
+        if self.row_tokens is None:
+            self.row_tokens = budget
+        return self.row_tokens if budget >= self.row_tokens else 0
+
+    def settle_row_tokens(self, remaining: Sequence[int]) -> None:
+        """With equal rows, a group of rows about to be planned (a state's question branches, which
+        differ in length) chooses the step's row length, if no row has set it: the length that
+        decodes the most of their tokens in this step, among their own lengths, the powers of two
+        below them and the budget split evenly (rows of many lengths meet on a few that way: a
+        12-question JevBench state took 9-11 passes in place of 10-13, and no decode more than
+        2 x ceil(tokens / n_ubatch))."""
+        if not self.equal_rows or self.row_tokens is not None:
+            return
+        lengths = [r for r in remaining if r > 1]
+        if not lengths:
+            return
+
+        def decoded(length: int) -> tuple[int, int]:
+            rows = sum(1 for r in lengths if r >= length)
+            return min(rows, self.tokens_left // length) * length, length
+
+        own = {min(r, self.tokens_left) for r in lengths}
+        powers = {1 << (r.bit_length() - 1) for r in lengths}
+        shared = {min(min(lengths), self.tokens_left // len(lengths))}  # the budget split evenly
+        candidates = [c for c in own | powers | shared if 1 < c <= self.tokens_left]
+        self.row_tokens = max(candidates, key=decoded, default=None)
 
     def add(self, work: Any, row: Row, on_done: Callable[[Row], None], *, keep: bool = True) -> None:
         """Carry `row` in this decode (its cells were reserved when its unit of work started)."""

@@ -36,6 +36,7 @@ from decider.engine.generation import (
 from decider.engine.invariance import HEAD_SEQ
 from decider.engine.labels import READOUT_CHAIN
 from decider.engine.native import OutputSpec, Row
+from decider.engine.prefix_cache import CachedState, Caches, prompt_digest, repeat_key
 from decider.engine.steps import Memory, SeqPool, Step, Unit
 
 
@@ -136,6 +137,22 @@ class _StateRun:
     opened: int = 0  # cells of the items taken from `pending` and not closed yet
     branches: list[_Branch] = field(default_factory=list)  # read, with children still to start
     filling: list[_Fill] = field(default_factory=list)  # opened, prompt not fully decoded yet
+    # Kept across requests (decider.engine.prefix_cache): the canonical boundary in the prefix
+    # (None: no state is kept for it), the kept state it started from, how many prefix tokens that
+    # covered, and the tail tokens of items answered from exact repeats.
+    boundary: int | None = None
+    entry: CachedState | None = None
+    cached: int = 0
+    repeated: int = 0
+    repeats_checked: bool = False
+    digest: Any = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens after the head that this state did not decode thanks to the caches."""
+        if not self.started and self.repeated:  # every item was a repeat: no prefix either
+            return len(self.plan.prefix) + self.repeated
+        return self.cached + self.repeated
 
     @property
     def need(self) -> int:
@@ -153,9 +170,10 @@ class _StateRun:
         if self.streaming:
             # Reserved: the prefix and room for its largest item (more only if several are open);
             # what the open items have decoded already is live, not future.
-            open_decoded = self.decoded - self.prefilled - self.released
+            prefix_decoded = self.prefilled - self.cached
+            open_decoded = self.decoded - prefix_decoded - self.released
             branches = max(self.largest_item, self.opened) - open_decoded
-            return self.prefix_cells - self.prefilled + branches
+            return self.prefix_cells - prefix_decoded + branches
         return self.need - self.decoded
 
 
@@ -174,13 +192,17 @@ class DecisionWork:
             before = len(self.head) + len(state.prefix) if fresh else 0  # prompt tokens in each branch
             cells = {id(item): before + len(item.tokens) + len(item.trie.nodes) - 1 for item in state.items}
             prefix_cells = 0 if fresh else len(state.prefix)
-            self.states.append(_StateRun(state, deque(state.items), len(state.items), cells, prefix_cells))
+            run = _StateRun(state, deque(state.items), len(state.items), cells, prefix_cells)
+            if not fresh and state.items and state.prompt.canonical:
+                run.boundary = len(state.prompt.tokens)
+            self.states.append(run)
         for run in self.states:
             run.streaming = bool(run.item_cells) and run.need > planner.room
         self.decodes = 0
         self.rows = 0
         self.timing: dict[str, float] = {}  # filled by the scheduler when the work completes
         self._held: set[int] = set()  # every sequence this request holds, whatever its role
+        self._caches: Caches | None = None  # the scheduler's, seen at the first step
 
     def _acquire(self, step: Step) -> int:
         seq = step.seqs.acquire()
@@ -226,13 +248,18 @@ class DecisionWork:
 
     def outcome(self) -> Any:
         return self.planner.respond(
-            self.plan, {"decodes": self.decodes, "rows": self.rows, "timing": self.timing}
+            self.plan,
+            {"decodes": self.decodes, "rows": self.rows, "timing": self.timing},
+            cached=[state.cached_tokens for state in self.states],
         )
 
     # --- planning ---------------------------------------------------------------------------------
     def plan_step(self, step: Step) -> None:
         before = len(step.rows)
+        self._caches = step.caches
         for state in self.states:
+            if not state.repeats_checked:
+                self._answer_repeats(state, step.caches)
             if state.open_items == 0:
                 continue
             if not state.started and not self._start_state(state, step):
@@ -245,60 +272,151 @@ class DecisionWork:
             self.decodes += 1
             self.rows += len(step.rows) - before
 
+    # --- kept across requests -------------------------------------------------------------------
+    def _answer_repeats(self, state: _StateRun, caches: Caches | None) -> None:
+        """Items already answered on this very prompt take their raw readouts from the repeat cache."""
+        state.repeats_checked = True
+        repeats = caches.repeats if caches is not None else None
+        if repeats is None or self.plan.mode != "shared" or not state.pending:
+            return
+        assert caches is not None
+        namespace = f"{caches.namespace}|extensions={bool(self.plan.options.extensions)}"
+        state.digest = prompt_digest(namespace, state.plan.prefix)
+        for item in list(state.pending):
+            outputs = repeats.get(self._repeat_key(state, item))
+            if outputs is None:
+                continue
+            item.outputs.update(outputs)
+            state.pending.remove(item)
+            del state.item_cells[id(item)]
+            state.open_items -= 1
+            state.repeated += len(item.tokens)
+
+    @staticmethod
+    def _repeat_key(state: _StateRun, item: Item) -> bytes:
+        return repeat_key(state.digest, item.tokens, [label.tokens for label in item.labels], item.readout)
+
+    def _remember(self, state: _StateRun, item: Item) -> None:
+        repeats = self._caches.repeats if self._caches is not None else None
+        if repeats is not None and state.digest is not None:
+            repeats.put(self._repeat_key(state, item), item.outputs)
+
+    def _unpin(self, state: _StateRun) -> None:
+        if state.entry is not None:
+            states = self._caches.states if self._caches is not None else None
+            if states is not None:
+                states.unpin(state.entry)
+            state.entry = None
+
     def _start_state(self, state: _StateRun, step: Step) -> bool:
-        """Reserve the state's cells (all of them; a streaming state: its prefix and one branch)."""
+        """Reserve the state's cells (all of them; a streaming state: its prefix and one branch).
+
+        A kept state that begins this one's prefix is pinned before the reservation (so making
+        room cannot evict it), and its cells are left out of the reservation: they are its own."""
         shared = self.plan.mode == "shared"
+        kept = step.caches.states if shared and step.caches is not None else None
+        hit = kept.lookup(state.plan.prefix, state.boundary) if kept is not None else None
+        cached = hit.length if hit is not None else 0
+        if hit is not None:
+            hit.entry.pins += 1
         if state.streaming:
             started = step.try_start(
-                Unit.STREAMING_STATE, state.prefix_cells + state.largest_item, holds_sequence=shared
+                Unit.STREAMING_STATE, state.prefix_cells - cached + state.largest_item, holds_sequence=shared
             )
         else:
-            started = step.try_start(Unit.STATE, state.need, holds_sequence=shared)
+            started = step.try_start(Unit.STATE, state.need - cached, holds_sequence=shared)
         if not started:
+            if hit is not None:
+                hit.entry.pins -= 1
             return False
         state.started = True
         if shared:
             seq = self._acquire(step)
-            step.memory.seq_copy(HEAD_SEQ, seq)
+            if hit is not None and kept is not None:
+                kept.take(hit, seq)  # copies (and pins once more): drop the reservation's pin
+                hit.entry.pins -= 1
+                state.entry = hit.entry
+                state.cached = state.prefilled = cached
+                state.prefix_cells -= cached
+            else:
+                step.memory.seq_copy(HEAD_SEQ, seq)
+                if kept is not None:
+                    kept.missed()
             state.seq = seq
             step.prefix_holders += 1
         return True
 
+    def _keep_state(self, step: Step, state: _StateRun) -> None:
+        """The prefix has reached its canonical boundary (or, where a copy may be cut, its end):
+        the cache keeps a copy of the state."""
+        kept = step.caches.states if step.caches is not None else None
+        if kept is None or state.boundary is None or state.cached >= state.boundary or state.seq is None:
+            return
+        if state.prefilled == state.boundary or (kept.partial and state.prefilled == len(state.plan.prefix)):
+            kept.store(
+                state.plan.prefix[: state.boundary], state.seq, longer=state.prefilled > state.boundary
+            )
+
     def _plan_shared(self, state: _StateRun, step: Step) -> None:
         prefix = state.plan.prefix
         if state.prefilled < len(prefix):
-            take = min(len(prefix) - state.prefilled, step.tokens_left)
+            end = len(prefix)
+            kept = step.caches.states if step.caches is not None else None
+            boundary = state.boundary
+            if kept is not None and not kept.partial and boundary is not None and state.prefilled < boundary:
+                end = boundary  # a copy cannot be cut on this model: the prefill stops at the boundary once
+            take = step.take(end - state.prefilled, alone=True)
             if take > 0:
                 start = state.prefilled
                 assert state.seq is not None
                 row = Row(state.seq, prefix[start : start + take], len(self.head) + start)
-                step.add(self, row, lambda _row: self._prefilled(state, take))
+                step.add(self, row, lambda _row: self._prefilled(step, state, take))
             return  # branches are copied only from a fully decoded prefix
         self._plan_children(state, step)
-        self._plan_fills(state, step)
+        if not step.equal_rows:
+            self._plan_fills(state, step)
         base = len(self.head) + len(prefix)
-        while state.pending and step.tokens_left and self._fits(step, state):
+        room = self._room(state, step)
+        while state.pending and room > 0 and self._fits(step, state):
             item = state.pending.popleft()
             seq = self._acquire(step)
             assert state.seq is not None
             step.memory.seq_copy(state.seq, seq)
             self._open_branch(step, state, _Fill(item, seq, item.tokens, base))
+            room = self._room(state, step) if not step.equal_rows else room - len(item.tokens)
+        if step.equal_rows:
+            self._plan_fills(state, step)  # the open branches and those just opened, longest first
         if not state.pending and state.seq is not None:
             self._free(step, state.seq)  # every branch holds the prefix's cells now
             state.seq = None
             step.prefix_holders -= 1
 
-    def _prefilled(self, state: _StateRun, take: int) -> None:
+    def _prefilled(self, step: Step, state: _StateRun, take: int) -> None:
         state.prefilled += take
         state.decoded += take
+        self._keep_state(step, state)
 
     def _plan_fresh(self, state: _StateRun, step: Step) -> None:
         self._plan_children(state, step)
-        self._plan_fills(state, step)
+        if not step.equal_rows:
+            self._plan_fills(state, step)
         before = [*self.head, *state.plan.prefix]
-        while state.pending and step.tokens_left and self._fits(step, state):
+        room = self._room(state, step)
+        while state.pending and room > 0 and self._fits(step, state):
             item = state.pending.popleft()
             self._open_branch(step, state, _Fill(item, self._acquire(step), [*before, *item.tokens], 0))
+            room = self._room(state, step) if not step.equal_rows else room - len(before) - len(item.tokens)
+        if step.equal_rows:
+            self._plan_fills(state, step)
+
+    @staticmethod
+    def _room(state: _StateRun, step: Step) -> int:
+        """Tokens of this step still free for new branches. With equal rows the new branches are
+        planned only after they all are open, so the open branches' unplanned tokens count as taken:
+        a branch is opened (and holds a sequence) only when the step can carry some of it."""
+        if not step.equal_rows:
+            return step.tokens_left
+        return step.tokens_left - sum(len(fill.tokens) - fill.planned for fill in state.filling)
 
     @staticmethod
     def _fits(step: Step, state: _StateRun) -> bool:
@@ -326,17 +444,22 @@ class DecisionWork:
 
     def _open_branch(self, step: Step, state: _StateRun, fill: _Fill) -> None:
         state.filling.append(fill)
-        self._plan_piece(step, state, fill)
-
-    def _plan_fills(self, state: _StateRun, step: Step) -> None:
-        """Branches whose prompt is longer than one step's budget continue where they stopped."""
-        for fill in list(state.filling):
-            if not step.tokens_left:
-                return
+        if not step.equal_rows:  # with equal rows the new branches are planned together, longest first
             self._plan_piece(step, state, fill)
 
+    def _plan_fills(self, state: _StateRun, step: Step) -> None:
+        """Branches whose prompt is longer than one step's budget continue where they stopped (with
+        equal rows, all the open ones at once, on the row length they settle on)."""
+        fills = list(state.filling)
+        step.settle_row_tokens([len(fill.tokens) - fill.planned for fill in fills])
+        for fill in fills:
+            if not step.tokens_left:
+                return
+            if fill.planned < len(fill.tokens):
+                self._plan_piece(step, state, fill)
+
     def _plan_piece(self, step: Step, state: _StateRun, fill: _Fill) -> None:
-        take = min(len(fill.tokens) - fill.planned, step.tokens_left)
+        take = step.take(len(fill.tokens) - fill.planned)
         if take <= 0:
             return
         start = fill.planned
@@ -394,8 +517,10 @@ class DecisionWork:
             self._release(step.seqs, state, state.item_cells[id(item)], kept=not state.streaming)
             state.opened -= state.item_cells[id(item)]
             state.open_items -= 1
+            self._remember(state, item)
             if state.open_items == 0:
                 self._release(step.seqs, state, state.prefix_cells)
+                self._unpin(state)
 
     @staticmethod
     def _release(seqs: SeqPool, state: _StateRun, cells: int, *, kept: bool = True) -> None:
@@ -417,6 +542,7 @@ class DecisionWork:
             seqs.release(memory, seq)
         self._held.clear()
         for state in self.states:
+            self._unpin(state)
             state.branches.clear()
             state.filling.clear()
             state.seq = None
@@ -566,7 +692,7 @@ class ChatWork:
         assert self._seq is not None
         prompt = self.plan.prompt
         if self._prefilled < len(prompt):
-            take = min(len(prompt) - self._prefilled, step.tokens_left)
+            take = step.take(len(prompt) - self._prefilled, alone=True)
             if take <= 0:
                 return
             start = self._prefilled

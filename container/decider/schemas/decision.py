@@ -113,6 +113,10 @@ Answer = NoulAnswer | ChoiceAnswer | ScoreAnswer
 class Usage(_Frozen):
     input_tokens: int
     output_tokens: int = 0
+    # Of input_tokens, those read from what earlier requests left (kept states, exact repeats), not
+    # decoded again. Not part of the Jev body (strict clients): it is reported in `extensions`, and
+    # as `input_tokens_details.cached_tokens` on /v1/decisions.
+    cached_tokens: int = Field(0, exclude=True)
 
 
 def _without_empty_extensions(body: dict[str, Any]) -> dict[str, Any]:

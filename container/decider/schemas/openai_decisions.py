@@ -344,8 +344,12 @@ class OpenAIDecision:
             "model": internal.model,
             "usage": {
                 "input_tokens": tokens,
-                # No prompt cache across requests yet: nothing is read from or written to one.
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                # Read from kept states and exact repeats (decider.engine.prefix_cache); what a
+                # request leaves in the cache is not counted as written.
+                "input_tokens_details": {
+                    "cached_tokens": internal.usage.cached_tokens,
+                    "cache_write_tokens": 0,
+                },
                 "output_tokens": 0,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": tokens,

@@ -101,6 +101,29 @@ class ServerMetrics:
             buckets=(1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096),
             registry=r,
         )
+        # What the engine keeps across requests (decider.engine.prefix_cache): cache = state | repeat.
+        self.cache_lookups = Counter(
+            "decider_cache_lookups",
+            "Look-ups of kept states (per decision state started) and exact repeats (per prompt), by "
+            "outcome (hit, miss).",
+            ["cache", "outcome"],
+            registry=r,
+        )
+        self.cache_stores = Counter(
+            "decider_cache_stores", "Entries put into a cache.", ["cache"], registry=r
+        )
+        self.cache_evictions = Counter(
+            "decider_cache_evictions",
+            "Entries dropped: least recently used, for running work (state) or over the bound (repeat).",
+            ["cache"],
+            registry=r,
+        )
+        self.cache_tokens = Counter(
+            "decider_cache_tokens",
+            "Prompt tokens read from kept states instead of decoded.",
+            ["cache"],
+            registry=r,
+        )
         self.model_ready = Gauge(
             "decider_model_ready", "1 once the model is loaded and verified.", registry=r
         )

@@ -67,6 +67,12 @@ def load_engine(settings: Settings) -> Engine:
     return DecisionEngine.load(settings)
 
 
+def _cache_namespace(engine: Engine) -> str:
+    """What repeats are keyed under: the model file's digest and the prompt version."""
+    engine_namespace = getattr(engine, "cache_namespace", None)  # DecisionEngine's; test fakes have none
+    return engine_namespace if isinstance(engine_namespace, str) else ""
+
+
 def describe_failure(exc: BaseException) -> str:
     """One line for the start-up failure log."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -84,6 +90,7 @@ class ServerRuntime:
             deadline_seconds=settings.deadline_seconds,
             metrics=self.metrics,
             epoch_cells=settings.epoch_limit,
+            cache_budget=settings.cache_budget,
         )
         self.intake = Intake(settings.parse_concurrency, max_waiting=settings.queue_size)
         self._loader = loader
@@ -101,7 +108,9 @@ class ServerRuntime:
             try:
                 engine = self._loader(self.settings)
                 if self.state != "stopping":
-                    self.scheduler.attach(engine.runtime, engine.head_tokens)  # decodes the prompt head
+                    self.scheduler.attach(
+                        engine.runtime, engine.head_tokens, namespace=_cache_namespace(engine)
+                    )  # decodes the prompt head
             except BaseException as exc:  # everything here is fatal: report it as one line
                 self.state = "failed"
                 self.failure = describe_failure(exc)

@@ -1,0 +1,391 @@
+"""What the engine keeps across requests (decider.engine.prefix_cache): decision states as sequences,
+exact repeats as raw label readouts.
+
+First the bookkeeping on fakes (hits, LRU eviction, pins, the sequence pool and the cell budget),
+then on the models: SmolLM2 (attention only: exact and longest-common-prefix hits), Gemma 3 (a
+sliding window: exact hits only), the tiny Qwen3.5 (hybrid: exact hits only, the prefill stops at
+the state's boundary once so a whole-sequence copy is exact), and batch invariance (no kept states,
+repeats bitwise). After every model test nothing runs, no entry is pinned, and only the prompt
+head and the kept states hold memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+from decider.engine import DecisionEngine
+from decider.engine.invariance import HEAD_SEQ
+from decider.engine.native import Row
+from decider.engine.prefix_cache import MIN_PARTIAL_HIT, RepeatCache, StateCache
+from decider.engine.scheduler import NoMetrics
+from decider.engine.steps import SeqPool, Step, Unit
+from decider.schemas.decision import DecisionResponse, parse_decision_request
+from decider.settings import Settings
+from engine_helpers import EXAMPLE
+
+# A kept state's answers against a new prefill: the rows after the copy are decoded in other
+# micro-batch shapes than one whole prefill, and without batch invariance SmolLM2's probabilities
+# move up to 0.05 with what shares a micro-batch (tests/engine/test_hybrid_model.py).
+AGREE = 5e-2
+
+
+# --- bookkeeping, on fakes ---------------------------------------------------------------------------
+class FakeMemory:
+    """Sequences as position counts; records every operation."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[Any, ...]] = []
+
+    def seq_copy(self, src: int, dst: int) -> None:
+        self.ops.append(("cp", src, dst))
+
+    def seq_remove(self, seq_id: int) -> None:
+        self.ops.append(("rm", seq_id))
+
+    def seq_truncate(self, seq_id: int, position: int) -> None:
+        self.ops.append(("cut", seq_id, position))
+
+
+def kept(
+    *, partial: bool, seqs: int = 6, max_cells: int = 100, max_seqs: int = 3
+) -> tuple[StateCache, SeqPool, FakeMemory]:
+    memory = FakeMemory()
+    pool = SeqPool(seqs, reserved=[HEAD_SEQ])
+    cache = StateCache(
+        memory, pool, head=10, max_cells=max_cells, max_seqs=max_seqs, partial=partial, metrics=NoMetrics()
+    )
+    pool.reclaimer = cache
+    return cache, pool, memory
+
+
+def test_exact_hits_need_the_entry_to_begin_the_prefix() -> None:
+    cache, _pool, memory = kept(partial=False)
+    state = list(range(40))
+    assert cache.store(state, seq=5)
+    assert cache.lookup([*state, 99, 98], boundary=40).length == 40
+    assert cache.lookup([*state[:-1], 7, 99], boundary=40) is None  # a changed last token
+    assert cache.lookup([*state[:30], 7, 7, 7], boundary=None) is None  # no partial hits here
+    hit = cache.lookup([*state, 1], boundary=40)
+    cache.take(hit, 3)
+    assert memory.ops[-1] == ("cp", hit.entry.seq, 3) and hit.entry.pins == 1  # copied whole, never cut
+
+
+def test_partial_hits_take_the_longest_common_prefix_and_cut_the_copy() -> None:
+    cache, _pool, memory = kept(partial=True)
+    short, long = list(range(40)), list(range(100, 160))
+    cache.store(short, seq=5)
+    cache.store(long, seq=5)
+    grown = [*range(100, 150), 7, 7, 7]
+    hit = cache.lookup(grown, boundary=None)
+    assert hit.entry.tokens == tuple(long) and hit.length == 50
+    cache.take(hit, 4)
+    assert memory.ops[-2:] == [("cp", hit.entry.seq, 4), ("cut", 4, 10 + 50)]  # head + common prefix
+    assert cache.lookup([*range(MIN_PARTIAL_HIT - 1), 999], boundary=None) is None  # too short to pay
+
+
+def test_entries_are_evicted_least_recently_used_and_pinned_ones_never() -> None:
+    cache, _pool, _memory = kept(partial=False, max_seqs=2)
+    a, b, c = [1] * 20, [2] * 20, [3] * 20
+    cache.store(a, seq=5)
+    cache.store(b, seq=5)
+    hit = cache.lookup([*a, 9], boundary=20)  # a is used again: b is now the oldest
+    cache.take(hit, 1)
+    assert cache.store(c, seq=5)
+    assert {entry for entry in cache._entries} == {tuple(a), tuple(c)}
+    cache.store(b, seq=5)  # a is pinned: c goes
+    assert {entry for entry in cache._entries} == {tuple(a), tuple(b)}
+    cache.unpin(hit.entry)
+    assert cache.spare_seqs == 2 and cache.cells == 40
+
+
+def test_the_pool_takes_a_kept_states_sequence_back_when_none_is_free() -> None:
+    cache, pool, memory = kept(partial=False, seqs=4, max_seqs=3)  # sequences 1-3 are not reserved
+    cache.store([1] * 20, seq=HEAD_SEQ)
+    cache.store([2] * 20, seq=HEAD_SEQ)
+    assert (pool.free, pool.available) == (1, 3)  # kept states count as available
+    taken = [pool.acquire(), pool.acquire()]
+    assert None not in taken and len(cache) == 1 and ("rm", taken[1]) in memory.ops  # the oldest went
+    hit = cache.lookup([2] * 20 + [5], boundary=20)
+    cache.take(hit, taken[0])
+    assert pool.available == 0 and pool.acquire() is None  # a pinned entry is never taken
+    cache.unpin(hit.entry)
+    assert pool.acquire() == hit.entry.seq
+
+
+def test_a_unit_that_needs_their_cells_evicts_kept_states_first() -> None:
+    cache, pool, memory = kept(partial=False, max_cells=100)
+    cache.store([1] * 30, seq=HEAD_SEQ)
+    cache.store([2] * 30, seq=HEAD_SEQ)
+    caches = type("Caches", (), {"states": cache, "repeats": None})()
+    step = Step(memory, pool, tokens_left=64, cells_left=50, caches=caches)
+    assert step.try_start(Unit.STATE, 40, holds_sequence=False)  # fits already: nothing evicted
+    assert len(cache) == 2 and step.cells_left == 10
+    assert step.try_start(Unit.STATE, 35, holds_sequence=False)  # the oldest entry's 30 cells
+    assert len(cache) == 1 and step.cells_left == 5
+    assert not step.try_start(Unit.STATE, 100, holds_sequence=False)  # would not fit anyway
+    assert len(cache) == 1  # so nothing was evicted for it
+
+
+def test_repeats_are_bounded_least_recently_used() -> None:
+    repeats = RepeatCache(2, metrics=NoMetrics())
+    repeats.put(b"a", {(): 1})
+    repeats.put(b"b", {(): 2})
+    assert repeats.get(b"a") == {(): 1}
+    repeats.put(b"c", {(): 3})
+    assert repeats.get(b"b") is None and repeats.get(b"a") == {(): 1} and len(repeats) == 2
+
+
+# --- on the models ------------------------------------------------------------------------------------
+def unique(body: dict[str, Any], state: str | None = None) -> dict[str, Any]:
+    """`body` on a state no other test asked about (the engines are shared), which parts from every
+    other prompt at its first words: a longer common prefix would be a partial hit on SmolLM2."""
+    fresh = copy.deepcopy(body)
+    fresh["state"] = f"Ticket {uuid.uuid4().hex[:8]}. {state or body['state']}"
+    return fresh
+
+
+def decide(engine: DecisionEngine, body: dict[str, Any], **extra: Any) -> DecisionResponse:
+    return engine.decide(parse_decision_request({**body, "extensions": True, **extra}))
+
+
+def distributions(response: Any) -> dict[str, list[float]]:
+    return {
+        key: [answer.noul] if answer.type == "noul" else list(answer.probabilities.values())
+        for key, answer in response.answers.items()
+    }
+
+
+def assert_agree(
+    got: dict[str, list[float]], expected: dict[str, list[float]], tolerance: float = AGREE
+) -> None:
+    assert got.keys() == expected.keys()
+    for key, probs in got.items():
+        assert probs == pytest.approx(expected[key], abs=tolerance), key
+
+
+def state_tokens(engine: DecisionEngine, body: dict[str, Any]) -> int:
+    """Tokens of the state's canonical segment (what a kept state holds after the head)."""
+    plan = engine.plan_decision(parse_decision_request(body))
+    assert plan.states[0].prompt.canonical
+    return len(plan.states[0].prompt.tokens)
+
+
+def assert_released(engine: DecisionEngine) -> None:
+    """Nothing runs, no entry is pinned, and only the head and the kept states hold memory."""
+    scheduler = engine._local
+    pool = scheduler._seqs
+    assert not scheduler._works and not scheduler._admitted
+    assert pool.available == engine.runtime.n_seq_max - len(pool.reserved)
+    states = scheduler.caches.states
+    held_by_cache = sorted(states.seqs) if states is not None else []
+    assert states is None or states.spare_seqs == len(states)
+    assert pool.free + len(held_by_cache) == pool.available
+    memory = engine.runtime._mem
+    held = [s for s in range(engine.runtime.n_seq_max) if llama_cpp.llama_memory_seq_pos_min(memory, s) >= 0]
+    assert held == sorted([HEAD_SEQ, *held_by_cache])
+
+
+def load(path: Path, **settings: Any) -> Iterator[DecisionEngine]:
+    engine = DecisionEngine.load(Settings(model_path=path, **settings))
+    engine.decide(parse_decision_request(EXAMPLE))  # starts the private scheduler
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path: Path) -> Iterator[DecisionEngine]:
+    yield from load(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_uncached(smollm2_path: Path) -> Iterator[DecisionEngine]:
+    yield from load(smollm2_path, state_cache_seqs=0, repeat_cache_entries=0)
+
+
+@pytest.fixture(scope="module")
+def qwen35(qwen35_path: Path) -> Iterator[DecisionEngine]:
+    yield from load(qwen35_path, n_ctx=4096, n_batch=512, max_state_tokens=2048)
+
+
+@pytest.fixture
+def cached(request: pytest.FixtureRequest) -> Iterator[DecisionEngine]:
+    """The engine named by the test's parameter; after the test, nothing is left held."""
+    engine = request.getfixturevalue(request.param)
+    yield engine
+    assert_released(engine)
+
+
+OTHER_QUESTIONS = {
+    "urgent": {"type": "noul", "instructions": "Is this urgent?"},
+    "channel": {
+        "type": "choice",
+        "instructions": "Where did it come from?",
+        "criteria": {"email": "An email", "chat": "A chat", "phone": "A call"},
+    },
+}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("cached", ["smollm2", "qwen35"], indirect=True)
+def test_a_kept_state_is_copied_and_only_the_new_tokens_are_decoded(
+    cached: DecisionEngine, smollm2_uncached: DecisionEngine
+) -> None:
+    engine = cached
+    first = unique(EXAMPLE)
+    again = {**first, "questions": OTHER_QUESTIONS}
+    miss = decide(engine, first)
+    assert miss.usage.cached_tokens == miss.extensions["cached_tokens"] == 0
+    hit = decide(engine, again)
+    boundary = state_tokens(engine, again)
+    assert hit.usage.cached_tokens == hit.extensions["cached_tokens"] == boundary > 10
+    if engine.runtime.recurrent:
+        assert not engine.runtime.partial_reuse
+        # The prefill stopped at the boundary, where the state was kept whole (never cut).
+        plan = engine.plan_decision(parse_decision_request(first))
+        assert tuple(plan.states[0].prompt.tokens) in engine._local.caches.states._entries
+    else:
+        reference = decide(smollm2_uncached, again)
+        assert_agree(distributions(hit), distributions(reference))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("cached", ["smollm2", "qwen35"], indirect=True)
+def test_an_exact_repeat_is_answered_without_a_decode(cached: DecisionEngine) -> None:
+    """The same question on the same state: its raw readouts are read back, permutation averaging and
+    temperature applied as before, so the answer is bitwise the first one."""
+    body = unique(EXAMPLE)
+    first = decide(cached, body, permutations=2)
+    repeat = decide(cached, body, permutations=2)
+    assert repeat.extensions["decodes"] == 0 and first.extensions["decodes"] > 0
+    assert repeat.usage.cached_tokens == repeat.usage.input_tokens - len(cached.head_tokens)
+    assert distributions(repeat) == distributions(first)
+    wire = lambda r: {k: {**a, "extensions": None} for k, a in r.to_wire()["answers"].items()}  # noqa: E731
+    assert wire(repeat) == wire(first)
+    # One question of the three asked alone again: the same prompt, so no decode either.
+    alone = decide(cached, {**body, "questions": {"refund": body["questions"]["refund"]}}, permutations=2)
+    assert (
+        alone.extensions["decodes"] == 0 and distributions(alone)["refund"] == distributions(first)["refund"]
+    )
+
+
+@pytest.mark.model
+def test_a_grown_state_reuses_the_common_prefix_on_attention_only_models(
+    smollm2: DecisionEngine, smollm2_uncached: DecisionEngine
+) -> None:
+    """An agent's transcript appended to between calls: the kept state's copy is cut where the two
+    prompts part (SmolLM2 has no recurrent layer and no sliding window)."""
+    transcript = "Customer: my order 1182 arrived broken. Agent: sorry, we will look into it today."
+    earlier = unique(EXAMPLE, transcript)
+    decide(smollm2, earlier)
+    grown = {**earlier, "state": earlier["state"] + " Customer: still nothing, I want my money back."}
+    hit = decide(smollm2, grown)
+    boundary = state_tokens(smollm2, earlier)
+    assert MIN_PARTIAL_HIT <= hit.usage.cached_tokens < boundary
+    assert_agree(distributions(hit), distributions(decide(smollm2_uncached, grown)))
+    assert_released(smollm2)
+
+
+@pytest.mark.model
+def test_a_grown_state_is_a_miss_on_the_hybrid_model(qwen35: DecisionEngine) -> None:
+    """A recurrent state cannot be cut back: only an entry that ends exactly inside the new prompt can
+    serve it, and the earlier state's boundary (its closing quote) is not a prefix of the grown one."""
+    earlier = unique(EXAMPLE, "Customer: my order arrived broken.")
+    decide(qwen35, earlier)
+    grown = {**earlier, "state": earlier["state"] + " Customer: still nothing."}
+    assert decide(qwen35, grown).usage.cached_tokens == 0
+    assert_released(qwen35)
+
+
+@pytest.mark.model
+def test_a_sliding_window_model_takes_exact_hits_only(gemma3_path: Path) -> None:
+    for engine in load(gemma3_path, n_ctx=4096, max_state_tokens=2048):
+        assert not engine.runtime.partial_reuse and engine.runtime.n_swa > 0
+        body = unique(EXAMPLE)
+        decide(engine, body)
+        hit = decide(engine, {**body, "questions": OTHER_QUESTIONS})
+        assert hit.usage.cached_tokens == state_tokens(engine, body)
+        grown = {**body, "state": body["state"] + " And it is still broken."}
+        assert decide(engine, grown).usage.cached_tokens == 0
+        assert_released(engine)
+
+
+@pytest.mark.model
+def test_kept_states_give_way_to_running_work(smollm2_path: Path) -> None:
+    """Under pressure the least recently used entries go, for sequences and for cells alike: a request
+    that needs the whole context still runs, and nothing is left pinned."""
+    for engine in load(
+        smollm2_path, n_ctx=2048, max_state_tokens=1800, state_cache_seqs=2, state_cache_cells=1500
+    ):
+        states = engine._local.caches.states
+        bodies = [unique(EXAMPLE, f"Case {i}: " + "the payout failed again. " * 100) for i in range(3)]
+        for body in bodies:
+            decide(engine, body)
+        assert len(states) == 2 and states.cells > 1000  # the first went for the third (sequences)
+        assert decide(engine, bodies[0]).extensions["decodes"] == 0  # a repeat still: no state needed
+        assert decide(engine, {**bodies[1], "questions": OTHER_QUESTIONS}).usage.cached_tokens > 500
+        assert decide(engine, {**bodies[0], "questions": OTHER_QUESTIONS}).usage.cached_tokens == 0
+        large = unique(EXAMPLE, "A long account of the problem. " * 130)
+        need = state_tokens(engine, large) + 150  # its state and three branches
+        assert need > 2048 - len(engine.head_tokens) - states.cells  # more than the kept states leave
+        answered = decide(engine, large)  # so the oldest kept states go for it
+        assert answered.answers.keys() == EXAMPLE["questions"].keys()
+        assert any(len(entry.tokens) == state_tokens(engine, large) for entry in states._entries.values())
+        assert_released(engine)
+
+
+@pytest.mark.model
+def test_a_cancelled_request_unpins_the_state_it_copied(qwen35: DecisionEngine) -> None:
+    """The caller goes away during the decode that follows the copy of a kept state: the work's
+    sequences go, the entry is unpinned (and still kept), and it serves the next request."""
+    body = unique(EXAMPLE)
+    decide(qwen35, body)
+    states = qwen35._local.caches.states
+    plan = qwen35.plan_decision(parse_decision_request(body))
+    entry = states._entries[tuple(plan.states[0].prompt.tokens)]
+    runtime = qwen35.runtime
+    real = runtime.decode
+    seen: dict[str, Any] = {}
+
+    def cancel_then_decode(rows: list[Row], **kwargs: Any) -> None:
+        if "pins" not in seen:
+            seen["pins"] = entry.pins
+            seen["job"].cancel()  # the abort callback stops this very decode
+        real(rows, **kwargs)
+
+    work = qwen35.decision_work(
+        qwen35.plan_decision(parse_decision_request({**body, "questions": OTHER_QUESTIONS}))
+    )
+    seen["job"] = qwen35._local.admit("decision", uuid.uuid4().hex)
+    runtime.decode = cancel_then_decode  # type: ignore[method-assign]
+    try:
+        future = qwen35._local.submit(seen["job"], work)
+        assert type(future.exception(30)).__name__ == "ClientGoneError"
+    finally:
+        runtime.decode = real  # type: ignore[method-assign]
+    assert seen["pins"] == 1 and entry.pins == 0
+    assert decide(qwen35, {**body, "questions": OTHER_QUESTIONS}).usage.cached_tokens == len(entry.tokens)
+    assert_released(qwen35)
+
+
+@pytest.mark.model
+def test_batch_invariance_keeps_repeats_but_no_states(invariant_engine: DecisionEngine) -> None:
+    """Memory epochs free the cells below a kept state at once, and new tokens would land there, out of
+    position order: with batch invariance no state is kept. A repeat's readouts are those a new decode
+    gives in that mode, bit for bit, so repeats are kept."""
+    body = unique(EXAMPLE)
+    in_case = decide(invariant_engine, body)
+    assert invariant_engine._local.caches.states is None
+    alone = decide(invariant_engine, {**body, "questions": {"anger": body["questions"]["anger"]}})
+    assert alone.extensions["decodes"] == 0
+    assert (
+        alone.to_wire()["answers"]["anger"]["probabilities"]
+        == in_case.to_wire()["answers"]["anger"]["probabilities"]
+    )
+    other = decide(invariant_engine, {**body, "questions": OTHER_QUESTIONS})
+    assert other.usage.cached_tokens == 0 and other.extensions["decodes"] > 0

@@ -1,0 +1,77 @@
+"""What the server keeps across requests, as clients and operators see it: `cached_tokens` on both
+decision routes and the cache counters in /metrics, against the real `serve` process."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import DECISION
+
+from tools.local_server import LocalServer
+
+pytestmark = [pytest.mark.server, pytest.mark.model]
+OPENAI_QUESTIONS = [
+    {"type": "predicate", "name": "refund", "instructions": "Does the customer ask for a refund?"},
+    {
+        "type": "score",
+        "name": "anger",
+        "instructions": "How upset is the customer?",
+        "levels": [{"label": "calm"}, {"label": "annoyed"}, {"label": "furious"}],
+    },
+]
+
+
+def cache_counters(server: LocalServer) -> dict[tuple[str, ...], float]:
+    """Every decider_cache_* sample, keyed by its name and label values."""
+    counters: dict[tuple[str, ...], float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text):
+        for sample in family.samples:
+            if sample.name.startswith("decider_cache_"):
+                counters[(sample.name, *sample.labels.values())] = sample.value
+    return counters
+
+
+def grew(before: dict[tuple[str, ...], float], after: dict[tuple[str, ...], float], *key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def state() -> str:
+    # No other test asked about it, and it parts from every other prompt at its first words (a
+    # common prefix of 16 tokens or more would be a partial hit on this attention-only model).
+    return f"Ticket {uuid.uuid4().hex[:8]}. {DECISION['state']}"
+
+
+def test_an_exact_repeat_reports_its_cached_tokens_and_counts_a_hit(live_server: LocalServer) -> None:
+    body = {"model": "m", "input": state(), "questions": OPENAI_QUESTIONS}
+    before = cache_counters(live_server)
+    first = httpx.post(f"{live_server.base_url}/v1/decisions", json=body, timeout=60).json()["usage"]
+    again = httpx.post(f"{live_server.base_url}/v1/decisions", json=body, timeout=60).json()["usage"]
+    after = cache_counters(live_server)
+    assert first["input_tokens_details"]["cached_tokens"] == 0
+    cached = again["input_tokens_details"]["cached_tokens"]
+    assert again["input_tokens"] == first["input_tokens"] and 0 < cached < again["input_tokens"]
+    assert grew(before, after, "decider_cache_lookups_total", "repeat", "hit") == len(OPENAI_QUESTIONS)
+    assert grew(before, after, "decider_cache_stores_total", "repeat") == len(OPENAI_QUESTIONS)
+
+
+def test_new_questions_on_a_kept_state_decode_only_their_own_tokens(live_server: LocalServer) -> None:
+    """Jev route: the count is in `extensions` (the default body stays what strict clients parse)."""
+    shared = {"state": state(), "extensions": True}
+    url = f"{live_server.base_url}/v1/systemone"
+    before = cache_counters(live_server)
+    first: dict[str, Any] = httpx.post(
+        url, json={**shared, "questions": DECISION["questions"]}, timeout=60
+    ).json()
+    other = {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}
+    second: dict[str, Any] = httpx.post(url, json={**shared, "questions": other}, timeout=60).json()
+    after = cache_counters(live_server)
+    assert first["extensions"]["cached_tokens"] == 0 and "cached_tokens" not in first["usage"]
+    assert second["extensions"]["cached_tokens"] > 10 and "cached_tokens" not in second["usage"]
+    assert grew(before, after, "decider_cache_lookups_total", "state", "hit") == 1
+    assert grew(before, after, "decider_cache_tokens_total", "state") == second["extensions"]["cached_tokens"]
+    plain = httpx.post(url, json={"state": shared["state"], "questions": other}, timeout=60).json()
+    assert "extensions" not in plain and set(plain["usage"]) == {"input_tokens", "output_tokens"}
