@@ -68,7 +68,9 @@ def test_a_queued_request_whose_client_leaves_is_cancelled(
 ) -> None:
     base, runtime, gate = held_server
     gate.clear()
-    blocker = threading.Thread(target=lambda: httpx.post(f"{base}/v1/systemone", json=DECISION, timeout=30))
+    # a state of its own: an exact repeat of an earlier case's would be answered from the repeat cache
+    blocking = {**DECISION, "state": f"blocker for {path} {sorted(body)} {attributes}"}
+    blocker = threading.Thread(target=lambda: httpx.post(f"{base}/v1/systemone", json=blocking, timeout=30))
     blocker.start()  # its decode waits at the gate: whatever comes next is queued behind it
     deadline = time.monotonic() + 5
     while not _live_jobs(runtime):

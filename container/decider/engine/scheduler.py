@@ -598,7 +598,7 @@ class Scheduler:
         assert self._seqs is not None
         chats = [r for r in self._works if r.work.kind == "chat" and r.work.cells_wanted]  # type: ignore[attr-defined]
         need, free = len(chats), self._free_cells(backend) - self._cells_claimed
-        if need <= free:
+        if not chats or need <= free:
             return
         self._evict_states_for(need, backend)  # a kept state never stops a chat
         free = self._free_cells(backend) - self._cells_claimed
