@@ -17,6 +17,11 @@ from typing import Any, TypeVar
 from tools.evaluate.cases import load_items
 
 T = TypeVar("T")
+# The benchmarks time the same requests again and again (fresh against shared, one level after the
+# other): with states and exact repeats kept across requests, every measurement after the first would
+# be a replay. Only the levels that measure the caches themselves (bench-server's repeat levels) run
+# with them.
+NO_CACHES: dict[str, Any] = {"state_cache_seqs": 0, "repeat_cache_entries": 0}
 Distributions = dict[str, list[float]]  # question key -> probabilities in option order
 
 

@@ -60,6 +60,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tools.bench.common import (
+    NO_CACHES,
     Distributions,
     argmax_agreement,
     best_of,
@@ -326,7 +327,7 @@ def invariant_worker(args: argparse.Namespace) -> int:
 
     Both engines share the process's kernel choice: exact for SmolLM2 (Q4_1 has no K-quant tiled
     path), while on a K-quant model the default engine here also runs the forced tiled matmul."""
-    fields = model_settings(args, smollm2_path())
+    fields = {**model_settings(args, smollm2_path()), **NO_CACHES}
     engine = DecisionEngine.load(Settings(**fields, prompt_version=PROMPT_V1, batch_invariant=True))
     default = DecisionEngine.load(Settings(**fields, prompt_version=PROMPT_V1))
     loads = workloads(engine, args)
@@ -420,9 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{TILED_ENV} is set: the default engine would not run its own kernels; unset it")
     console = Console(width=200)
 
-    settings = Settings(**model_settings(args, smollm2_path()), prompt_version=PROMPT_V1)
+    settings = Settings(**model_settings(args, smollm2_path()), **NO_CACHES, prompt_version=PROMPT_V1)
     engine = DecisionEngine.load(settings)
-    v2 = DecisionEngine.load(Settings(**model_settings(args, smollm2_path()), prompt_version=PROMPT_V2))
+    v2 = DecisionEngine.load(
+        Settings(**model_settings(args, smollm2_path()), **NO_CACHES, prompt_version=PROMPT_V2)
+    )
     plain = PlainLlama(settings, engine.head_tokens)
     w1, w2 = workloads(engine, args)
     console.print(
@@ -498,7 +501,7 @@ def hybrid_passes_run(workload: Workload, layers: int, embd: int) -> dict[str, d
     from tools.bench.server import hybrid_model
 
     model = hybrid_model(layers, embd, smollm2_path())
-    settings = Settings(model_path=model, state_cache_seqs=0, repeat_cache_entries=0)
+    settings = Settings(model_path=model, **NO_CACHES)
     engine = DecisionEngine.load(settings, count_passes=True)
     runtime = engine.runtime
     n_ubatch = settings.micro_batch

@@ -83,6 +83,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tools.bench.common import (
+    NO_CACHES,
     Distributions,
     distributions,
     key_values,
@@ -104,7 +105,6 @@ DEFAULT_CASES = JEVBENCH_240_CASES
 TEXT_ROUTE_CLIENTS = (1, 4)
 # The once-asked phases and the sweep (which asks the same requests at every level) run without
 # the caches: a level must not replay the one before. The traffic levels run with the defaults.
-NO_CACHES = {"state_cache_seqs": 0, "repeat_cache_entries": 0}
 BENCH_DIR = Path(__file__).resolve().parents[2] / ".bench"
 CLIENT_TIMEOUT_SECONDS = 120  # above the server's 55 s deadline: the server, not the client, gives up
 # The /metrics series the sweep reads (counter and histogram sums/counts, cumulative since start).
@@ -541,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     bodies = [request_body(case, extensions=True) for case in sweep_cases]
     questions = sum(len(case["questions"]) for case in sweep_cases)
     fields = model_settings(args, smollm2_path())
-    settings = Settings(**fields)
+    # The engine timed beside the server runs without caches too: a kept answer would make the
+    # in-process side free (the overhead phase's warm-up case is measured again).
+    settings = Settings(**fields, **NO_CACHES)
     env = {Settings.env_name(name): str(value) for name, value in {**fields, **NO_CACHES}.items()}
     console.print(
         f"[bold]bench-server[/]: {Path(settings.model_path).name}, threads={settings.threads()}, "
