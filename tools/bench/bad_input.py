@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from decider.settings import Settings
 
+from tools.bench.common import NO_CACHES
 from tools.local_server import run_local_server
 
 TOKENS_PER_SENTENCE = 12  # "The customer wrote again about order 1182 and the late refund." on SmolLM2
@@ -94,7 +96,10 @@ def main() -> None:
     args = parser.parse_args()
     good = good_decision(args.state_tokens)
     bad = bad_body(args.body_mb)
-    with run_local_server() as server:
+    # caches off: the decision is timed again and again, and a kept answer would cost nothing
+    with run_local_server(
+        {Settings.env_name(name): str(value) for name, value in NO_CACHES.items()}
+    ) as server:
         url, pid = server.base_url, server.process.pid
         time_good(url, good, 1)  # warm-up: the cost model and the page cache
         start_rss = rss_kib(pid, "VmRSS")
