@@ -48,8 +48,19 @@ def image_tag(variant: VariantConfig, source_hash: str, buildspec: str) -> str:
     return f"{variant.build_variant}-{digest}"
 
 
-def _service_timeout() -> Duration:
-    return Duration.seconds(CUSTOM_RESOURCE_TIMEOUT_S)
+def provider_request(
+    scope: Construct, image_stack: ImageStack, resource_type: str, properties: dict[str, object]
+) -> CustomResource:
+    """One request to ImageStack's build provider: the custom resource `Resource` under `scope`, with
+    the provider's service token and the longest wait a custom resource may have."""
+    return CustomResource(
+        scope,
+        "Resource",
+        service_token=image_stack.provider.service_token,
+        resource_type=resource_type,
+        service_timeout=Duration.seconds(CUSTOM_RESOURCE_TIMEOUT_S),
+        properties=properties,
+    )
 
 
 class ImageBuild(Construct):
@@ -102,13 +113,8 @@ class ImageBuild(Construct):
             },
         )
         handle = CfnWaitConditionHandle(self, f"Handle{inputs}")
-        self.resource = CustomResource(
-            self,
-            "Resource",
-            service_token=service_token,
-            resource_type="Custom::ImageBuild",
-            service_timeout=_service_timeout(),
-            properties={**properties, "WaitHandle": handle.ref},
+        self.resource = provider_request(
+            self, image_stack, "Custom::ImageBuild", {**properties, "WaitHandle": handle.ref}
         )
         self.wait = CfnWaitCondition(
             self,
@@ -150,14 +156,7 @@ class DeployedImage(Construct):
             "RepositoryName": image_stack.repository.repository_name,
         }
         properties |= {"ImageUri": image_uri} if image_uri else {"WaitData": wait_data}
-        self.resource = CustomResource(
-            self,
-            "Resource",
-            service_token=image_stack.provider.service_token,
-            resource_type="Custom::DeployedImage",
-            service_timeout=_service_timeout(),
-            properties=properties,
-        )
+        self.resource = provider_request(self, image_stack, "Custom::DeployedImage", properties)
         self.image_uri = self.resource.get_att_string("ImageUri")
 
 
@@ -179,13 +178,11 @@ class ModelStaging(Construct):
         self.prefix = model.s3_prefix
         self.file = model.file
         extra = {"Archive": MODEL_ARCHIVE} if archive else {}
-        self.resource = CustomResource(
+        self.resource = provider_request(
             self,
-            "Resource",
-            service_token=image_stack.provider.service_token,
-            resource_type="Custom::ModelStaging",
-            service_timeout=_service_timeout(),
-            properties={
+            image_stack,
+            "Custom::ModelStaging",
+            {
                 "Kind": "Model",
                 "ProjectName": image_stack.projects.model.project_name,
                 "Bucket": self.bucket_name,
@@ -222,13 +219,11 @@ class PostDeployCheck(Construct):
         """`endpoint_config`: this deploy's endpoint config as JSON (a token); the next deploy gets it
         in OldResourceProperties and parks on an exact copy (handlers/post_deploy_check.py)."""
         super().__init__(scope, construct_id)
-        self.resource = CustomResource(
+        self.resource = provider_request(
             self,
-            "Resource",
-            service_token=image_stack.provider.service_token,
-            resource_type="Custom::PostDeployCheck",
-            service_timeout=_service_timeout(),
-            properties={
+            image_stack,
+            "Custom::PostDeployCheck",
+            {
                 "Kind": "PostDeployCheck",
                 "EndpointName": endpoint_name,
                 "EndpointConfigName": endpoint_config_name,
@@ -257,13 +252,11 @@ class BakeLoad(Construct):
         load_per_minute: int,
     ):
         super().__init__(scope, construct_id)
-        self.resource = CustomResource(
+        self.resource = provider_request(
             self,
-            "Resource",
-            service_token=image_stack.provider.service_token,
-            resource_type="Custom::BakeLoad",
-            service_timeout=_service_timeout(),
-            properties={
+            image_stack,
+            "Custom::BakeLoad",
+            {
                 "Kind": "BakeLoad",
                 "EndpointName": endpoint_name,
                 "EndpointConfigName": endpoint_config_name,
@@ -287,13 +280,11 @@ class UpdateGuard(Construct):
         endpoint_config_name: str,
     ):
         super().__init__(scope, construct_id)
-        self.resource = CustomResource(
+        self.resource = provider_request(
             self,
-            "Resource",
-            service_token=image_stack.provider.service_token,
-            resource_type="Custom::UpdateGuard",
-            service_timeout=_service_timeout(),
-            properties={
+            image_stack,
+            "Custom::UpdateGuard",
+            {
                 "Kind": "UpdateGuard",
                 "Variant": variant.name,
                 "EndpointName": variant.endpoint_name,
