@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 from decider.engine.bundled import SMOLLM2_SHA256
+from decider.engine.jobs import Job
 from decider.engine.labels import READOUT_CHAIN, READOUT_SINGLE, build_label_table
 from decider.engine.native import OutputSpec, Row
-from decider.engine.scheduler import Job
 from decider.engine.work import DecisionWork
 from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.decision import DecisionResponse, parse_decision_request
@@ -189,7 +189,7 @@ def _job(deadline: float = 3600) -> Job:
 def _forget_kept_states(engine) -> None:
     """Evict every kept state (on the engine thread): without batch invariance a token's result
     depends on where its context's cells lie, and kept states move that between requests."""
-    states = engine._local.caches.states if engine._local is not None else None
+    states = engine._local.loop.caches.states if engine._local is not None else None
     if states is not None:
         engine._local.submit_unscheduled(lambda: [None for _ in iter(states.evict_one, None)]).result(10)
 

@@ -120,10 +120,10 @@ def engine(hybrid: tuple[DecisionEngine, DecodeLog]) -> Iterator[DecisionEngine]
 def assert_released(engine: DecisionEngine) -> None:
     """Nothing runs, and only the prompt head and the kept states hold memory (unpinned)."""
     scheduler = engine._local
-    pool = scheduler._seqs
-    assert not scheduler._works and not scheduler._admitted
+    pool = scheduler.loop.seqs
+    assert not scheduler.loop.works and not scheduler.admission.admitted
     assert pool.available == engine.runtime.n_seq_max - len(pool.reserved)
-    states = scheduler.caches.states
+    states = scheduler.loop.caches.states
     kept = sorted(states.seqs) if states is not None else []
     assert states is None or states.spare_seqs == len(states)  # no entry is pinned any more
     assert pool.free + len(kept) == pool.available

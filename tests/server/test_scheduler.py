@@ -14,9 +14,10 @@ import uuid
 from typing import Any
 
 import pytest
+from decider.engine.jobs import Job
 from decider.engine.labels import build_label_table
 from decider.engine.native import KvCacheFullError, NativeError, Row
-from decider.engine.scheduler import Job, Scheduler
+from decider.engine.scheduler import Scheduler
 from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import (
     DeadlineExceededError,
@@ -378,7 +379,7 @@ def test_running_work_past_its_deadline_is_aborted_inside_the_decode() -> None:
         assert late.value.status == 504 and "while the model was working" in late.value.message
         assert time.monotonic() - started < 1.5
 
-    scheduler.deadline_seconds = 0.3
+    scheduler.admission.deadline_seconds = 0.3
     asyncio.run(scenario())
     engine.runtime.decode_seconds = 0
     assert scheduler.submit(_job(), _work(engine)).result(5).answers  # the engine is free again

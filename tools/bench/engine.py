@@ -313,7 +313,7 @@ def admission_run(engine: DecisionEngine, cases: list[dict[str, Any]]) -> list[d
         body = build_w2(engine, cases, target, 3)
         request = parse(body)
         work = engine.decision_work(engine.plan_decision(request))
-        predicted = engine._local.costs.predict(work.cost)  # the decide() runs fitted it
+        predicted = engine._local.admission.costs.predict(work.cost)  # the decide() runs fitted it
         seconds, _ = best_of(1, lambda request=request: engine.decide(request))
         rows.append({"tokens": work.cost.tokens, "predicted": predicted, "seconds": seconds})
     return rows
@@ -510,7 +510,7 @@ def hybrid_passes_run(workload: Workload, layers: int, embd: int) -> dict[str, d
     out: dict[str, dict[str, float]] = {}
     try:
         for name, equal in (("equal_rows", True), ("rows_as_planned", False)):
-            engine._local.equal_rows = equal
+            engine._local.loop.equal_rows = equal
             counts = {"decodes": 0, "tokens": 0, "passes": 0, "worst": 0.0}
 
             def counted(rows: list[Row], counts: dict[str, Any] = counts, **kwargs: Any) -> None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from decider.engine import generation
 from decider.engine.decisions import DecisionPlan, DecisionPlanner
+from decider.engine.jobs import Job
 from decider.engine.labels import LabelError, LabelTable, build_label_table
 from decider.engine.markers import CallerText, MarkerError
 from decider.engine.modelfile import display_name, quantization_from_name, resolve_model_file, verify_sha256
@@ -32,7 +33,7 @@ from decider.engine.prompt import (
     PromptFrame,
     TemplateUnusableError,
 )
-from decider.engine.scheduler import Job, Scheduler
+from decider.engine.scheduler import Scheduler
 from decider.engine.work import ChatPlan, ChatWork, DecisionWork
 from decider.errors import RequestError, StartupError
 from decider.schemas.decision import (

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from decider.engine.generation import GenerationEvent
-from decider.engine.scheduler import ClientGoneError, Job, deadline_error
+from decider.engine.jobs import ClientGoneError, Job, deadline_error
 from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import DeciderError, RequestError, internal_error
 from decider.schemas.chat import (
