@@ -25,7 +25,6 @@ import llama_cpp
 import numpy as np
 import pytest
 from decider.engine import DecisionEngine
-from decider.engine.invariance import HEAD_SEQ, BatchPolicy
 from decider.engine.labels import READOUT_CHAIN, build_label_table
 from decider.engine.native import (
     ContextConfig,
@@ -37,6 +36,7 @@ from decider.engine.native import (
 )
 from decider.engine.work import ChatWork, DecisionWork
 from decider.errors import StartupError, UnavailableError
+from decider.invariance import HEAD_SEQ, BatchPolicy
 from decider.schemas.decision import DecisionResponse, parse_batch_request, parse_decision_request
 from decider.settings import Settings
 from engine_helpers import EXAMPLE

@@ -20,11 +20,11 @@ from typing import Any
 import llama_cpp
 import pytest
 from decider.engine import DecisionEngine
-from decider.engine.invariance import HEAD_SEQ
 from decider.engine.native import Row
 from decider.engine.prefix_cache import MIN_PARTIAL_HIT, RepeatCache, StateCache
 from decider.engine.scheduler import NoMetrics
 from decider.engine.steps import SeqPool, Step, Unit
+from decider.invariance import HEAD_SEQ
 from decider.schemas.decision import DecisionResponse, parse_decision_request
 from decider.settings import Settings
 from engine_helpers import EXAMPLE

@@ -50,10 +50,10 @@ from typing import Any
 from decider.engine import DecisionEngine
 from decider.engine.bundled import smollm2_path
 from decider.engine.decisions import DecisionPlanner
-from decider.engine.invariance import DEFAULT_UBATCH, BatchPolicy
 from decider.engine.modelfile import resolve_model_file
 from decider.engine.native import ContextConfig, LlamaRuntime, Row
 from decider.engine.prompt import PROMPT_V1, PROMPT_V2, SYSTEM_PROMPT
+from decider.invariance import DEFAULT_UBATCH, BatchPolicy
 from decider.schemas.decision import DecisionRequest, parse_decision_request
 from decider.settings import Settings
 from rich.console import Console

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decider.engine.invariance import HEAD_SEQ
 from decider.engine.jobs import Running
 from decider.engine.steps import Memory, SeqPool
+from decider.invariance import HEAD_SEQ
 
 
 class MemoryEpochs:

@@ -29,13 +29,14 @@ from typing import Any, Protocol
 from decider.engine.admission import Admission
 from decider.engine.cost import Cost, span_attended
 from decider.engine.epochs import MemoryEpochs
-from decider.engine.invariance import HEAD_SEQ, BatchPolicy
 from decider.engine.jobs import ClientGoneError, Job, Running, deadline_error, resolve, shutting_down
 from decider.engine.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
-from decider.engine.prefix_cache import CacheBudget, Caches, RepeatCache, StateCache
+from decider.engine.prefix_cache import Caches, RepeatCache, StateCache
 from decider.engine.steps import PlannedRow, SeqPool, Step
 from decider.engine.work import Work
 from decider.errors import DeciderError, RequestError, UnavailableError, internal_error
+from decider.invariance import HEAD_SEQ, BatchPolicy
+from decider.settings import CacheBudget
 
 log = logging.getLogger("decider.server")
 STALL_SECONDS = 5.0

@@ -27,9 +27,9 @@ from decider.engine.epochs import MemoryEpochs
 from decider.engine.jobs import Job, Running, deadline_error, resolve, shutting_down
 from decider.engine.loop import Backend, EngineLoop
 from decider.engine.native import NativeError
-from decider.engine.prefix_cache import CacheBudget
 from decider.engine.work import Work
 from decider.errors import UnavailableError
+from decider.settings import CacheBudget
 
 log = logging.getLogger("decider.server")
 T = TypeVar("T")
@@ -120,7 +120,7 @@ class Scheduler:
         """Start batching on a loaded model, after the load (on the engine thread in the server).
 
         The batch policy says which sequences are reserved, and whether memory epochs keep cells in
-        place (batch invariance: decider.engine.invariance). `namespace` names the model file and
+        place (batch invariance: decider.invariance). `namespace` names the model file and
         prompt version the repeat cache keys its entries under.
 
         Kept states need cells that stay where they are across requests; memory epochs free every

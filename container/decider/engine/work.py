@@ -33,11 +33,11 @@ from decider.engine.generation import (
     free_sampler,
     make_sampler,
 )
-from decider.engine.invariance import HEAD_SEQ
 from decider.engine.labels import READOUT_CHAIN
 from decider.engine.native import OutputSpec, Row
 from decider.engine.prefix_cache import CachedState, Caches, prompt_digest, repeat_key
 from decider.engine.steps import Memory, SeqPool, Step, Unit
+from decider.invariance import HEAD_SEQ
 
 
 @dataclass(frozen=True)
