@@ -191,10 +191,17 @@ def test_chats_take_cells_as_they_generate_so_they_never_lock_decisions_out() ->
 def test_when_cells_run_out_the_youngest_chat_stops_with_finish_reason_length() -> None:
     """Three chats that never stop, 250 tokens allowed each, in 300 cells: each fits alone, not
     together. The youngest stops first, then the next; the oldest reaches its max_tokens."""
-    engine = FakeEngine(n_ctx=300, chat_tokens=100_000)
+    gate = threading.Event()
+    engine = FakeEngine(n_ctx=300, chat_tokens=100_000, gate=gate)
     scheduler = _scheduler(engine)
+    blocker = scheduler.submit(_job(kind="chat"), _chat(1))  # holds the engine: the three start together
+    deadline = time.monotonic() + 5
+    while not engine.calls and time.monotonic() < deadline:
+        time.sleep(0.005)
     works = [_chat(250) for _ in range(3)]
     futures = [scheduler.submit(_job(kind="chat"), work) for work in works]
+    gate.set()
+    assert blocker.result(5)[2].completion_tokens == 1
     outcomes = [future.result(10) for future in futures]
     assert [finish for _, finish, _ in outcomes] == ["length"] * 3
     # A chat that has produced n tokens holds its prompt and n - 1 of them: the youngest stops when
