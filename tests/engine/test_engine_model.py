@@ -17,13 +17,14 @@ from decider.engine.native import OutputSpec, Row
 from decider.engine.work import DecisionWork
 from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.decision import DecisionResponse, parse_decision_request
+from decider.server.answers import decision_response
 from engine_helpers import EXAMPLE
 
 pytestmark = pytest.mark.model
 
 
 def decide(engine, body, **extra) -> DecisionResponse:
-    return engine.decide(parse_decision_request({**body, **extra}))
+    return decision_response(engine.decide(parse_decision_request({**body, **extra})))
 
 
 def distributions(response: DecisionResponse) -> dict[str, list[float]]:
@@ -81,7 +82,7 @@ def _decide_with(engine, labels, body):
     planner = copy.copy(engine.planner)
     planner.labels = labels
     plan = planner.plan(parse_decision_request(body))
-    return engine._run_local(DecisionWork(plan, planner), "decision")
+    return decision_response(engine._run_local(DecisionWork(plan, planner), "decision"))
 
 
 @pytest.mark.parametrize(
@@ -177,7 +178,7 @@ def test_answers_do_not_depend_on_the_mode_neighbours_or_concurrent_requests(
         assert distributions(alone)[key] == expected[key]
     plans = [engine.plan_decision(parse_decision_request(body)) for body in reversed(bodies)]
     futures = [engine._local.submit(_job(), engine.decision_work(plan)) for plan in plans]
-    together = [distributions(future.result()) for future in futures][::-1]
+    together = [distributions(decision_response(future.result())) for future in futures][::-1]
     assert together == shared
 
 

@@ -99,6 +99,16 @@ def test_the_settings_import_nothing_above_them() -> None:
     assert _part_graph()["decider.settings"] <= {"decider", "decider.errors", "decider.invariance"}
 
 
+def test_the_engine_imports_no_wire_schema_and_no_server() -> None:
+    """The engine hands back readouts; the server makes the responses (decider.server.answers)."""
+    wrong = {
+        module: sorted(name for name in imported if _part(name) in ("decider.schemas", "decider.server"))
+        for module, imported in _graph(everywhere=True).items()
+        if _part(module) == "decider.engine"
+    }
+    assert not {module: names for module, names in wrong.items() if names}
+
+
 def test_no_module_cycle_at_import_time() -> None:
     graph = _graph(everywhere=False)
     assert not _cycle(graph), " -> ".join(_cycle(graph))

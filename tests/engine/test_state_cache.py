@@ -26,6 +26,7 @@ from decider.engine.scheduler import NoMetrics
 from decider.engine.steps import SeqPool, Step, Unit
 from decider.invariance import HEAD_SEQ
 from decider.schemas.decision import DecisionResponse, parse_decision_request
+from decider.server.answers import decision_response
 from decider.settings import Settings
 from engine_helpers import EXAMPLE
 
@@ -151,7 +152,7 @@ def unique(body: dict[str, Any], state: str | None = None) -> dict[str, Any]:
 
 
 def decide(engine: DecisionEngine, body: dict[str, Any], **extra: Any) -> DecisionResponse:
-    return engine.decide(parse_decision_request({**body, "extensions": True, **extra}))
+    return decision_response(engine.decide(parse_decision_request({**body, "extensions": True, **extra})))
 
 
 def distributions(response: Any) -> dict[str, list[float]]:

@@ -21,6 +21,7 @@ from decider.engine.steps import SeqPool, Step
 from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import DeciderError, OverloadedError, RequestExceedsDeadlineError, UnavailableError
 from decider.schemas.decision import parse_decision_request
+from decider.server.answers import decision_response
 from decider.server.handlers import _JobStream, run_until_disconnect
 from decider.server.metrics import ServerMetrics
 from server_fakes import FakeEngine
@@ -127,7 +128,7 @@ def test_a_decision_beside_running_chats_is_admitted_and_done_when_estimated(cha
         time.sleep(0.005)
     started = time.monotonic()
     job = scheduler.enqueue("decision", "beside", _work(engine, 600))
-    assert job.future.result(30).answers  # type: ignore[union-attr]
+    assert decision_response(job.future.result(30)).answers  # type: ignore[union-attr]
     measured = time.monotonic() - started
     assert job.estimate is not None
     assert 0.8 <= job.estimate / measured <= 1.25, (job.estimate, measured)
@@ -294,8 +295,9 @@ def test_one_work_s_exception_fails_that_work_alone(where: str) -> None:
     bad = scheduler.enqueue("decision", "bad", _breaking(_work(engine), where))
     error = bad.future.exception(5)  # type: ignore[union-attr]
     assert isinstance(error, DeciderError) and error.code == "internal_error" and error.status == 500
-    assert all(job.future.result(5).answers for job in good)  # type: ignore[union-attr]
-    assert scheduler.enqueue("decision", "after", _work(engine)).future.result(5).answers  # type: ignore[union-attr]
+    assert all(decision_response(job.future.result(5)).answers for job in good)  # type: ignore[union-attr]
+    after = scheduler.enqueue("decision", "after", _work(engine)).future
+    assert decision_response(after.result(5)).answers  # type: ignore[union-attr]
     scheduler.close()
 
 
