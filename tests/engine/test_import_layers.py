@@ -9,6 +9,7 @@ dependency, and a cycle hidden that way comes back as soon as someone moves it t
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from collections import defaultdict
@@ -48,6 +49,7 @@ def _imports(body: list[ast.stmt], *, everywhere: bool) -> set[str]:
     return found
 
 
+@functools.cache
 def _graph(*, everywhere: bool) -> dict[str, set[str]]:
     """Module -> the decider modules it imports."""
     paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
