@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,15 +29,37 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from decider.engine.invariance import MAX_INVARIANT_UBATCH, BatchPolicy
-from decider.engine.prefix_cache import CacheBudget
-from decider.engine.schema_limits import GrammarLimits
+from decider.invariance import MAX_INVARIANT_UBATCH, BatchPolicy
 
 ENV_PREFIX = "DECIDER_"
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
 SAGEMAKER_MAX_BODY_BYTES = 6 * 1024 * 1024
 MIN_API_KEY_LENGTH = 16
 QuestionType = Literal["noul", "choice", "score"]
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """What the engine's caches may hold (decider.engine.prefix_cache; `Settings.cache_budget`)."""
+
+    state_cells: int = 0
+    state_seqs: int = 0
+    repeat_entries: int = 0
+
+    @property
+    def states(self) -> bool:
+        return self.state_cells > 0 and self.state_seqs > 0
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """The response_format limits decider.engine.schema_limits checks; the defaults are the settings'."""
+
+    schema_bytes: int = 65536
+    repetition: int = 4096
+    optional_properties: int = 128
+    grammar_bytes: int = 262144
+    grammar_depth: int = 1024
 
 
 class Settings(BaseSettings):
@@ -109,7 +132,7 @@ class Settings(BaseSettings):
         description="Opt-in, CPU only: kernels whose results do not depend on what else shares a batch, so a "
         "question's answer is bitwise the same alone, among other questions or beside other requests, at "
         "any thread count. Micro-batches of 2-63 tokens, tiled K-quant matmul at every row count, no weight "
-        "repacking, memory epochs (decider.engine.invariance). Costs throughput (docs/engine.md); refused "
+        "repacking, memory epochs (decider.invariance). Costs throughput (docs/engine.md); refused "
         "with GPU layers (CUDA picks kernels by batch size) and on recurrent/hybrid models such as Qwen3.5.",
     )
     epoch_cells: PositiveInt | None = Field(

@@ -8,7 +8,7 @@ the invariance pad, and with invariance every micro-batch holds 2-63 tokens.
 from __future__ import annotations
 
 import pytest
-from decider.engine.invariance import (
+from decider.invariance import (
     HEAD_SEQ,
     MAX_INVARIANT_UBATCH,
     MIN_INVARIANT_UBATCH,

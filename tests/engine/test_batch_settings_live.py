@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent(
     from decider.engine import DecisionEngine
     from decider.engine.bundled import smollm2_path
     from decider.schemas.decision import parse_decision_request
+    from decider.server.answers import decide
     from decider.settings import Settings
 
     state = " ".join(f"Ticket {i}: the payout failed again and the customer is upset." for i in range(12))
@@ -31,7 +32,7 @@ SCRIPT = textwrap.dedent(
     for fields in [dict(n_batch=47, n_ubatch=23), dict(n_batch=64)]:
         engine = DecisionEngine.load(Settings(model_path=smollm2_path(), batch_invariant=True, n_threads=1,
                                               n_ctx=1024, max_state_tokens=512, **fields))
-        answers = engine.decide(parse_decision_request(body)).answers
+        answers = decide(engine, parse_decision_request(body)).answers
         assert set(answers) == {"refund", "team"}
         engine.close()
         print("served", fields, flush=True)

@@ -8,6 +8,7 @@ import pytest
 from decider.engine import DecisionEngine
 from decider.errors import StartupError
 from decider.schemas.decision import parse_batch_request, parse_decision_request
+from decider.server.answers import decide
 from decider.settings import Settings
 
 pytestmark = pytest.mark.model
@@ -67,8 +68,8 @@ def test_gemma_shared_matches_fresh_beyond_the_sliding_window(gemma, jevbench_ca
     case = jevbench_cases[0]
     questions = dict(list(case["questions"].items())[:2])  # fresh mode decodes the whole state per question
     request = parse_decision_request({"state": state, "questions": questions, "extensions": True})
-    shared = gemma.decide(request.model_copy(update={"mode": "shared"}))
-    fresh = gemma.decide(request.model_copy(update={"mode": "fresh"}))
+    shared = decide(gemma, request.model_copy(update={"mode": "shared"}))
+    fresh = decide(gemma, request.model_copy(update={"mode": "fresh"}))
     assert shared.extensions["prefix_tokens"] > window
     agree, total, delta = compare(shared, fresh)
     print(f"gemma3 {case['id']}: argmax {agree}/{total}, max |dp| {delta:.4f}")
@@ -89,8 +90,8 @@ def test_plain_fallback_template_works(gemma3_path):
         assert engine.model_info.chat_template_source == "fallback:plain"
         text, _ = engine.render_prompt("Evidence.", "Which?", [("A", "x"), ("B", "y")])
         assert text.startswith("System: ") and text.endswith("Assistant:\n")
-        response = engine.decide(
-            parse_decision_request({"state": "Evidence.", "questions": {"q": {"type": "noul"}}})
+        response = decide(
+            engine, parse_decision_request({"state": "Evidence.", "questions": {"q": {"type": "noul"}}})
         )
         assert 0.0 <= response.answers["q"].noul <= 1.0
     finally:
@@ -120,13 +121,13 @@ def test_tight_context_chunks_prefill_and_fanout_and_agrees_with_the_default(
         "extensions": True,
     }
     request = parse_decision_request(body)
-    shared = tight.decide(request.model_copy(update={"mode": "shared"}))
-    fresh = tight.decide(request.model_copy(update={"mode": "fresh"}))
+    shared = decide(tight, request.model_copy(update={"mode": "shared"}))
+    fresh = decide(tight, request.model_copy(update={"mode": "fresh"}))
     prefix = shared.extensions["prefix_tokens"] - shared.extensions["head_tokens"]
     assert prefix > 32 and shared.extensions["branches"] == 3
     assert shared.extensions["decodes"] >= -(-prefix // 32) + 3  # prefill in 32-token pieces, then branches
     assert fresh.extensions["decodes"] > 3
-    reference = invariant_engine.decide(request.model_copy(update={"mode": "fresh"}))
+    reference = decide(invariant_engine, request.model_copy(update={"mode": "fresh"}))
     # Other batch sizes, other micro-batch sizes, fewer sequences: the same bits.
     assert probabilities(shared) == probabilities(fresh) == probabilities(reference)
 
@@ -146,7 +147,7 @@ def test_the_default_throughput_mode_answers_close_to_invariant_mode(
     request = parse_decision_request({"state": case["state"], "questions": questions})
     assert engine.model_info.batch_invariant is False and engine.model_info.n_ubatch == 512
     assert invariant_engine.model_info.batch_invariant is True and invariant_engine.model_info.n_ubatch == 63
-    agree, total, delta = compare(engine.decide(request), invariant_engine.decide(request))
+    agree, total, delta = compare(decide(engine, request), decide(invariant_engine, request))
     print(f"throughput vs invariant mode: argmax {agree}/{total}, max |dp| {delta:.4f}")
     assert agree / total >= 0.9 and delta <= 0.1
 
@@ -156,11 +157,11 @@ def test_a_batch_larger_than_the_context_runs_state_by_state(tight, jevbench_cas
     to the single-state requests."""
     questions = dict(list(jevbench_cases[0]["questions"].items())[:2])
     states = [case["state"] for case in jevbench_cases[:4]]
-    batch = tight.decide(parse_batch_request({"states": states, "questions": questions}))
+    batch = decide(tight, parse_batch_request({"states": states, "questions": questions}))
     assert (
         tight.plan_batch(parse_batch_request({"states": states, "questions": questions})).cost_tokens > 1024
     )
-    singles = [tight.decide(parse_decision_request({"state": s, "questions": questions})) for s in states]
+    singles = [decide(tight, parse_decision_request({"state": s, "questions": questions})) for s in states]
     assert [probabilities(r) for r in batch.results] == [probabilities(r) for r in singles]
 
 
@@ -177,10 +178,10 @@ def test_a_state_whose_questions_do_not_fit_together_streams_them_with_the_same_
         if work.states[0].streaming:
             break
     assert [state.streaming for state in work.states] == [True]
-    streamed = probabilities(tight.decide(request))
+    streamed = probabilities(decide(tight, request))
     for key, question in list(questions.items())[:2]:  # the first and second to stream, each alone
-        alone = invariant_engine.decide(
-            parse_decision_request({"state": case["state"], "questions": {key: question}})
+        alone = decide(
+            invariant_engine, parse_decision_request({"state": case["state"], "questions": {key: question}})
         )
         assert streamed[key] == probabilities(alone)[key], key
 
@@ -191,7 +192,7 @@ def test_tight_context_refuses_a_prompt_longer_than_the_context(tight):
         {"state": "x", "questions": {"q": {"type": "choice", "criteria": criteria}}}
     )
     with pytest.raises(Exception) as info:
-        tight.decide(request)
+        decide(tight, request)
     assert getattr(info.value, "code", None) == "context_length_exceeded"
 
 

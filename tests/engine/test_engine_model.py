@@ -11,19 +11,20 @@ import uuid
 
 import pytest
 from decider.engine.bundled import SMOLLM2_SHA256
+from decider.engine.jobs import Job
 from decider.engine.labels import READOUT_CHAIN, READOUT_SINGLE, build_label_table
 from decider.engine.native import OutputSpec, Row
-from decider.engine.scheduler import Job
 from decider.engine.work import DecisionWork
 from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.decision import DecisionResponse, parse_decision_request
+from decider.server.answers import decision_response
 from engine_helpers import EXAMPLE
 
 pytestmark = pytest.mark.model
 
 
 def decide(engine, body, **extra) -> DecisionResponse:
-    return engine.decide(parse_decision_request({**body, **extra}))
+    return decision_response(engine.decide(parse_decision_request({**body, **extra})))
 
 
 def distributions(response: DecisionResponse) -> dict[str, list[float]]:
@@ -81,7 +82,7 @@ def _decide_with(engine, labels, body):
     planner = copy.copy(engine.planner)
     planner.labels = labels
     plan = planner.plan(parse_decision_request(body))
-    return engine._run_local(DecisionWork(plan, planner), "decision")
+    return decision_response(engine._run_local(DecisionWork(plan, planner), "decision"))
 
 
 @pytest.mark.parametrize(
@@ -177,7 +178,7 @@ def test_answers_do_not_depend_on_the_mode_neighbours_or_concurrent_requests(
         assert distributions(alone)[key] == expected[key]
     plans = [engine.plan_decision(parse_decision_request(body)) for body in reversed(bodies)]
     futures = [engine._local.submit(_job(), engine.decision_work(plan)) for plan in plans]
-    together = [distributions(future.result()) for future in futures][::-1]
+    together = [distributions(decision_response(future.result())) for future in futures][::-1]
     assert together == shared
 
 
@@ -189,7 +190,7 @@ def _job(deadline: float = 3600) -> Job:
 def _forget_kept_states(engine) -> None:
     """Evict every kept state (on the engine thread): without batch invariance a token's result
     depends on where its context's cells lie, and kept states move that between requests."""
-    states = engine._local.caches.states if engine._local is not None else None
+    states = engine._local.loop.caches.states if engine._local is not None else None
     if states is not None:
         engine._local.submit_unscheduled(lambda: [None for _ in iter(states.evict_one, None)]).result(10)
 

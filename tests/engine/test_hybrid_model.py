@@ -25,7 +25,6 @@ import llama_cpp
 import numpy as np
 import pytest
 from decider.engine import DecisionEngine
-from decider.engine.invariance import HEAD_SEQ, BatchPolicy
 from decider.engine.labels import READOUT_CHAIN, build_label_table
 from decider.engine.native import (
     ContextConfig,
@@ -37,7 +36,9 @@ from decider.engine.native import (
 )
 from decider.engine.work import ChatWork, DecisionWork
 from decider.errors import StartupError, UnavailableError
+from decider.invariance import HEAD_SEQ, BatchPolicy
 from decider.schemas.decision import DecisionResponse, parse_batch_request, parse_decision_request
+from decider.server.answers import decision_response
 from decider.settings import Settings
 from engine_helpers import EXAMPLE
 
@@ -120,10 +121,10 @@ def engine(hybrid: tuple[DecisionEngine, DecodeLog]) -> Iterator[DecisionEngine]
 def assert_released(engine: DecisionEngine) -> None:
     """Nothing runs, and only the prompt head and the kept states hold memory (unpinned)."""
     scheduler = engine._local
-    pool = scheduler._seqs
-    assert not scheduler._works and not scheduler._admitted
+    pool = scheduler.loop.seqs
+    assert not scheduler.loop.works and not scheduler.admission.admitted
     assert pool.available == engine.runtime.n_seq_max - len(pool.reserved)
-    states = scheduler.caches.states
+    states = scheduler.loop.caches.states
     kept = sorted(states.seqs) if states is not None else []
     assert states is None or states.spare_seqs == len(states)  # no entry is pinned any more
     assert pool.free + len(kept) == pool.available
@@ -148,7 +149,7 @@ def force_invariance(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def decide(engine: DecisionEngine, body: dict[str, Any], **extra: Any) -> DecisionResponse:
-    return engine.decide(parse_decision_request({**body, **extra}))
+    return decision_response(engine.decide(parse_decision_request({**body, **extra})))
 
 
 def distributions(response: Any) -> dict[str, list[float]]:
@@ -246,7 +247,8 @@ def test_multi_token_labels_read_by_the_chain_rule_agree_across_modes(engine: De
     answers = {}
     for mode in ("shared", "fresh"):
         plan = planner.plan(parse_decision_request({**body, "mode": mode, "extensions": True}))
-        answers[mode] = submit(engine, DecisionWork(plan, planner))[1].result(30).answers["pick"]
+        outcome = submit(engine, DecisionWork(plan, planner))[1].result(30)
+        answers[mode] = decision_response(outcome).answers["pick"]
     assert answers["shared"].extensions["readout"] == READOUT_CHAIN
     assert list(answers["fresh"].probabilities.values()) == pytest.approx(
         list(answers["shared"].probabilities.values()), abs=AGREE
@@ -270,7 +272,9 @@ def test_a_long_state_and_more_branches_than_sequences(engine: DecisionEngine) -
 
 def test_the_batch_route_answers_every_state_as_alone(engine: DecisionEngine) -> None:
     states = [CASE["state"], EXAMPLE["state"], "Nothing happened."]
-    batch = engine.decide(parse_batch_request({"states": states, "questions": CASE["questions"]}))
+    batch = decision_response(
+        engine.decide(parse_batch_request({"states": states, "questions": CASE["questions"]}))
+    )
     assert len(batch.results) == len(states)
     for state, result in zip(states, batch.results, strict=True):
         assert_agree(distributions(result), distributions(decide(engine, {**CASE, "state": state})))
@@ -300,7 +304,7 @@ def test_concurrent_requests_and_a_chat_share_decodes(engine: DecisionEngine) ->
     _, finish, usage = futures[0].result(30)
     assert (finish, usage.completion_tokens) == ("length", 6)
     for future, expected in zip(futures[1:], alone, strict=True):
-        assert_agree(distributions(future.result(30)), expected)
+        assert_agree(distributions(decision_response(future.result(30))), expected)
 
 
 def test_a_full_memory_splits_the_decode_and_a_row_that_never_fits_fails_alone(
@@ -327,7 +331,7 @@ def test_a_full_memory_splits_the_decode_and_a_row_that_never_fits_fails_alone(
     ]
     error = futures[1].exception(30)
     assert isinstance(error, UnavailableError) and error.code == "kv_cache_full"
-    got = [distributions(futures[i].result(30)) for i in (0, 2)]
+    got = [distributions(decision_response(futures[i].result(30))) for i in (0, 2)]
     assert 1 in refused and any(n > 1 for n in refused)
     assert log.outcomes.count("KvCacheFullError") == len(refused)
     log.outcomes = [outcome for outcome in log.outcomes if outcome != "KvCacheFullError"]

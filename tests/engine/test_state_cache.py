@@ -20,12 +20,13 @@ from typing import Any
 import llama_cpp
 import pytest
 from decider.engine import DecisionEngine
-from decider.engine.invariance import HEAD_SEQ
 from decider.engine.native import Row
 from decider.engine.prefix_cache import MIN_PARTIAL_HIT, RepeatCache, StateCache
 from decider.engine.scheduler import NoMetrics
 from decider.engine.steps import SeqPool, Step, Unit
+from decider.invariance import HEAD_SEQ
 from decider.schemas.decision import DecisionResponse, parse_decision_request
+from decider.server.answers import decision_response
 from decider.settings import Settings
 from engine_helpers import EXAMPLE
 
@@ -151,7 +152,7 @@ def unique(body: dict[str, Any], state: str | None = None) -> dict[str, Any]:
 
 
 def decide(engine: DecisionEngine, body: dict[str, Any], **extra: Any) -> DecisionResponse:
-    return engine.decide(parse_decision_request({**body, "extensions": True, **extra}))
+    return decision_response(engine.decide(parse_decision_request({**body, "extensions": True, **extra})))
 
 
 def distributions(response: Any) -> dict[str, list[float]]:
@@ -179,10 +180,10 @@ def state_tokens(engine: DecisionEngine, body: dict[str, Any]) -> int:
 def assert_released(engine: DecisionEngine) -> None:
     """Nothing runs, no entry is pinned, and only the head and the kept states hold memory."""
     scheduler = engine._local
-    pool = scheduler._seqs
-    assert not scheduler._works and not scheduler._admitted
+    pool = scheduler.loop.seqs
+    assert not scheduler.loop.works and not scheduler.admission.admitted
     assert pool.available == engine.runtime.n_seq_max - len(pool.reserved)
-    states = scheduler.caches.states
+    states = scheduler.loop.caches.states
     held_by_cache = sorted(states.seqs) if states is not None else []
     assert states is None or states.spare_seqs == len(states)
     assert pool.free + len(held_by_cache) == pool.available
@@ -248,7 +249,7 @@ def test_a_kept_state_is_copied_and_only_the_new_tokens_are_decoded(
         assert not engine.runtime.partial_reuse
         # The prefill stopped at the boundary, where the state was kept whole (never cut).
         plan = engine.plan_decision(parse_decision_request(first))
-        assert tuple(plan.states[0].prompt.tokens) in engine._local.caches.states._entries
+        assert tuple(plan.states[0].prompt.tokens) in engine._local.loop.caches.states._entries
     else:
         reference = decide(smollm2_uncached, again)
         assert_agree(distributions(hit), distributions(reference))
@@ -322,7 +323,7 @@ def test_kept_states_give_way_to_running_work(smollm2_path: Path) -> None:
     for engine in load(
         smollm2_path, n_ctx=2048, max_state_tokens=1800, state_cache_seqs=2, state_cache_cells=1500
     ):
-        states = engine._local.caches.states
+        states = engine._local.loop.caches.states
         bodies = [unique(EXAMPLE, f"Case {i}: " + "the payout failed again. " * 100) for i in range(3)]
         for body in bodies:
             decide(engine, body)
@@ -345,7 +346,7 @@ def test_a_cancelled_request_unpins_the_state_it_copied(qwen35: DecisionEngine) 
     sequences go, the entry is unpinned (and still kept), and it serves the next request."""
     body = unique(EXAMPLE)
     decide(qwen35, body)
-    states = qwen35._local.caches.states
+    states = qwen35._local.loop.caches.states
     plan = qwen35.plan_decision(parse_decision_request(body))
     entry = states._entries[tuple(plan.states[0].prompt.tokens)]
     runtime = qwen35.runtime
@@ -380,7 +381,7 @@ def test_batch_invariance_keeps_repeats_but_no_states(invariant_engine: Decision
     gives in that mode, bit for bit, so repeats are kept."""
     body = unique(EXAMPLE)
     in_case = decide(invariant_engine, body)
-    assert invariant_engine._local.caches.states is None
+    assert invariant_engine._local.loop.caches.states is None
     alone = decide(invariant_engine, {**body, "questions": {"anger": body["questions"]["anger"]}})
     assert alone.extensions["decodes"] == 0
     assert (

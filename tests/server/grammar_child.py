@@ -18,7 +18,8 @@ import threading
 import llama_cpp
 from decider.engine import chat_options
 from decider.engine.bundled import smollm2_path
-from decider.engine.schema_limits import GrammarLimitError, GrammarLimits, check_grammar_text
+from decider.engine.schema_limits import GrammarLimitError, check_grammar_text
+from decider.settings import GrammarLimits
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 from decider.engine.cost import span_attended
 from decider.engine.decisions import DecisionPlan, DecisionPlanner
-from decider.engine.invariance import BatchPolicy
 from decider.engine.labels import build_label_table
 from decider.engine.native import DecodeAbortedError, Row, RowOutput
 from decider.engine.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, ChatTemplate, PromptBuilder, PromptFrame
 from decider.engine.work import ChatPlan, DecisionWork
 from decider.errors import RequestError
+from decider.invariance import BatchPolicy
 from decider.settings import Settings
 
 EOS = 2

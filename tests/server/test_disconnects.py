@@ -46,9 +46,8 @@ def held_server() -> Iterator[tuple[str, Any, threading.Event]]:
 
 
 def _live_jobs(runtime: Any, kind: str | None = None) -> list[Any]:
-    return [
-        job for job in list(runtime.scheduler._admitted) if not job.cancelled and kind in (None, job.kind)
-    ]
+    admitted = list(runtime.scheduler.admission.admitted)
+    return [job for job in admitted if not job.cancelled and kind in (None, job.kind)]
 
 
 def _hang_up_after(seconds: float, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:

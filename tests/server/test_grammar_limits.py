@@ -22,13 +22,12 @@ import pytest
 from decider.engine import chat_options
 from decider.engine.schema_limits import (
     GrammarLimitError,
-    GrammarLimits,
     check_grammar_text,
     check_schema,
     grammar_depth,
     pattern_cost,
 )
-from decider.settings import Settings
+from decider.settings import GrammarLimits, Settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import assert_error_body

@@ -15,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from decider.engine.decisions import DecisionOutcome
 from decider.engine.native import NativeError
+from decider.server import handlers
 from decider.server.app import create_app
 from decider.settings import Settings
 from openai.types import Decision
@@ -296,6 +298,24 @@ def test_chat_limits_and_unsupported_parameters(client: TestClient) -> None:
     _error(client.post("/v1/chat/completions", json={"messages": []}), 422, "invalid_parameter")
     _error(client.post("/v1/chat/completions", json={"max_tokens": 3}), 422, "missing_field")
     _error(client.post("/v1/chat/completions", json={**CHAT, "temperature": 9}), 422, "invalid_parameter")
+
+
+def test_decision_answers_are_made_off_the_engine_thread(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine thread hands back the readouts (a `DecisionOutcome`, no wire model); the response
+    is made from them on a worker thread."""
+    made_on: list[tuple[str, bool]] = []
+    make = handlers.decision_response
+
+    def recorded(outcome: Any) -> Any:
+        made_on.append((threading.current_thread().name, isinstance(outcome, DecisionOutcome)))
+        return make(outcome)
+
+    monkeypatch.setattr(handlers, "decision_response", recorded)
+    response = client.post("/v1/systemone", json=DECISION)
+    assert response.status_code == 200 and set(response.json()["answers"]) == set(DECISION["questions"])
+    assert len(made_on) == 1 and made_on[0][1] and made_on[0][0] != "engine"
 
 
 def test_invalid_requests_never_reach_the_engine(client: TestClient, fake_engine: FakeEngine) -> None:

@@ -76,9 +76,9 @@ def _background_post(base: str, body: Any = DECISION) -> threading.Thread:
 def test_a_full_queue_is_429_before_the_body_is_read() -> None:
     with _server(queue_size=1) as (base, runtime, gate):
         running, queued = _background_post(base), None
-        _wait_until(lambda: len(runtime.scheduler._admitted) == 1)
+        _wait_until(lambda: len(runtime.scheduler.admission.admitted) == 1)
         queued = _background_post(base)
-        _wait_until(lambda: len(runtime.scheduler._admitted) == 2)
+        _wait_until(lambda: len(runtime.scheduler.admission.admitted) == 2)
         sock = _open_body(base)  # 4 MB declared, one byte sent
         try:
             status, head = _status_within(sock, 2.0)

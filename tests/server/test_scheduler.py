@@ -14,9 +14,10 @@ import uuid
 from typing import Any
 
 import pytest
+from decider.engine.jobs import Job
 from decider.engine.labels import build_label_table
 from decider.engine.native import KvCacheFullError, NativeError, Row
-from decider.engine.scheduler import Job, Scheduler
+from decider.engine.scheduler import Scheduler
 from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import (
     DeadlineExceededError,
@@ -25,6 +26,7 @@ from decider.errors import (
     UnavailableError,
 )
 from decider.schemas.decision import parse_batch_request, parse_decision_request
+from decider.server.answers import decision_response
 from decider.server.metrics import ServerMetrics
 from server_fakes import FakeEngine, FakeRuntime, chars
 
@@ -97,10 +99,10 @@ def test_several_requests_share_each_decode() -> None:
     futures = [scheduler.submit(_job(), _work(engine)) for _ in range(4)]
     gate.set()
     blocker.result(5)
-    answers = [future.result(5) for future in futures]
+    answers = [decision_response(future.result(5)) for future in futures]
     alone = FakeEngine()
     serial_scheduler = _scheduler(alone)
-    serial = serial_scheduler.submit(_job(), _work(alone)).result(5)
+    serial = decision_response(serial_scheduler.submit(_job(), _work(alone)).result(5))
     assert all(answer.to_wire() == serial.to_wire() for answer in answers)
     # Alone a request takes its prefill and its branches (2 decodes); four together share them.
     assert len(alone.calls) == 2 and len(engine.calls) < 1 + 2 * 4
@@ -181,7 +183,7 @@ def test_chats_take_cells_as_they_generate_so_they_never_lock_decisions_out() ->
         chat.add_done_callback(lambda _: finished.append(time.monotonic()))
     decision_job = _job()
     decision = scheduler.submit(decision_job, _work(engine))
-    assert decision.result(5).answers
+    assert decision_response(decision.result(5)).answers
     assert all(chat.result(5)[1] == "stop" for chat in chats)
     assert decision_job.started_at is not None and decision_job.started_at < min(finished)
     scheduler.close()
@@ -190,10 +192,17 @@ def test_chats_take_cells_as_they_generate_so_they_never_lock_decisions_out() ->
 def test_when_cells_run_out_the_youngest_chat_stops_with_finish_reason_length() -> None:
     """Three chats that never stop, 250 tokens allowed each, in 300 cells: each fits alone, not
     together. The youngest stops first, then the next; the oldest reaches its max_tokens."""
-    engine = FakeEngine(n_ctx=300, chat_tokens=100_000)
+    gate = threading.Event()
+    engine = FakeEngine(n_ctx=300, chat_tokens=100_000, gate=gate)
     scheduler = _scheduler(engine)
+    blocker = scheduler.submit(_job(kind="chat"), _chat(1))  # holds the engine: the three start together
+    deadline = time.monotonic() + 5
+    while not engine.calls and time.monotonic() < deadline:
+        time.sleep(0.005)
     works = [_chat(250) for _ in range(3)]
     futures = [scheduler.submit(_job(kind="chat"), work) for work in works]
+    gate.set()
+    assert blocker.result(5)[2].completion_tokens == 1
     outcomes = [future.result(10) for future in futures]
     assert [finish for _, finish, _ in outcomes] == ["length"] * 3
     # A chat that has produced n tokens holds its prompt and n - 1 of them: the youngest stops when
@@ -216,7 +225,7 @@ def test_a_chat_short_of_cells_pauses_while_a_decision_holds_them() -> None:
     done: list[str] = []
     decision.add_done_callback(lambda _: done.append("decision"))
     chat.add_done_callback(lambda _: done.append("chat"))
-    assert decision.result(10).answers
+    assert decision_response(decision.result(10)).answers
     _, finish, usage = chat.result(10)
     assert finish == "length" and usage.completion_tokens == 700 - 3  # its max_tokens, not cut
     assert done == ["decision", "chat"]
@@ -248,7 +257,7 @@ def test_chats_growing_into_freed_cells_never_starve_a_waiting_decision() -> Non
     work.plan_step = recording  # type: ignore[method-assign]
     submitted = len(engine.calls)
     decision = scheduler.submit(_job(), work)
-    assert decision.result(10).answers
+    assert decision_response(decision.result(10)).answers
     assert started_at[0] - submitted <= 5, (submitted, started_at)
     ends = [chat.result(10) for chat in chats]
     assert [finish for _, finish, _ in ends] == ["length"] * 4
@@ -261,7 +270,7 @@ def test_a_batch_larger_than_one_memory_epoch_runs_its_states_in_several() -> No
     body = {"states": [f"{DECISION['state']} ({i})" for i in range(8)], "questions": DECISION["questions"]}
     plan = engine.plan_batch(parse_batch_request(body))
     assert plan.cost_tokens > 1.5 * 2000  # two epochs at least
-    response = scheduler.submit(_job(), engine.decision_work(plan)).result(10)
+    response = decision_response(scheduler.submit(_job(), engine.decision_work(plan)).result(10))
     assert len(response.results) == 8
     scheduler.close()
 
@@ -320,9 +329,9 @@ def test_a_state_larger_than_the_context_streams_its_questions_one_by_one(mode: 
     work = _work(engine, body)
     assert [state.streaming for state in work.states] == [True]
     beside = scheduler.submit(_job(), _work(engine))  # an ordinary request, admitted first
-    response = scheduler.submit(_job(), work).result(10)
+    response = decision_response(scheduler.submit(_job(), work).result(10))
     assert sorted(response.answers) == ["q0", "q1", "q2"]
-    assert beside.result(5).answers
+    assert decision_response(beside.result(5)).answers
     scheduler.close()
 
 
@@ -337,7 +346,7 @@ def test_branches_leave_a_sequence_for_their_label_positions() -> None:
     work = _work(engine, {"state": "evidence", "questions": questions})
     assert all(item.trie.children(()) for item in work.plan.states[0].items)
     scheduler = _scheduler(engine)
-    response = scheduler.submit(_job(), work).result(5)
+    response = decision_response(scheduler.submit(_job(), work).result(5))
     assert all(len(answer.probabilities) == 12 for answer in response.answers.values())
     scheduler.close()
 
@@ -363,7 +372,7 @@ def test_work_completed_in_time_is_answered_even_when_the_event_loop_looks_late(
         time.sleep(0.6)  # the loop is blocked past the deadline; the work was done long before
         return await scheduler.wait(job, future)
 
-    assert asyncio.run(scenario()).answers
+    assert decision_response(asyncio.run(scenario())).answers
     scheduler.close()
 
 
@@ -378,10 +387,11 @@ def test_running_work_past_its_deadline_is_aborted_inside_the_decode() -> None:
         assert late.value.status == 504 and "while the model was working" in late.value.message
         assert time.monotonic() - started < 1.5
 
-    scheduler.deadline_seconds = 0.3
+    scheduler.admission.deadline_seconds = 0.3
     asyncio.run(scenario())
     engine.runtime.decode_seconds = 0
-    assert scheduler.submit(_job(), _work(engine)).result(5).answers  # the engine is free again
+    again = scheduler.submit(_job(), _work(engine))  # the engine is free again
+    assert decision_response(again.result(5)).answers
     scheduler.close()
 
 
@@ -415,7 +425,7 @@ def test_a_cancelled_request_stops_and_its_neighbour_finishes() -> None:
     gone = scheduler.submit(gone_job, _work(engine))
     kept = scheduler.submit(_job(), _work(engine))
     gone_job.cancel()
-    assert kept.result(5).answers
+    assert decision_response(kept.result(5)).answers
     assert gone.exception(5) is not None
     scheduler.close()
 
@@ -436,7 +446,7 @@ def test_a_full_memory_halves_the_decode_and_one_unplaceable_row_fails_alone() -
     huge = {"state": "§ cannot be placed", "questions": {"q": {"type": "noul"}}}
     ok = [scheduler.submit(_job(), _work(engine)) for _ in range(3)]
     bad = scheduler.submit(_job(), _work(engine, huge))
-    assert all(future.result(5).answers for future in ok)
+    assert all(decision_response(future.result(5)).answers for future in ok)
     error = bad.exception(5)
     assert isinstance(error, UnavailableError) and error.code == "kv_cache_full" and error.retryable
     scheduler.close()
@@ -462,7 +472,7 @@ def test_after_a_row_fails_its_request_the_request_s_other_rows_are_not_decoded(
     error = scheduler.submit(_job(), work).exception(5)
     assert isinstance(error, UnavailableError) and error.code == "kv_cache_full"
     assert not any(ord("¤") in tokens for tokens in decoded)
-    assert scheduler.submit(_job(), _work(engine)).result(5).answers  # still serving
+    assert decision_response(scheduler.submit(_job(), _work(engine)).result(5)).answers  # still serving
     scheduler.close()
 
 
@@ -481,7 +491,7 @@ def test_a_backend_failure_fails_the_running_requests_and_the_server_recovers() 
     scheduler = _scheduler(engine)
     error = scheduler.submit(_job(), _work(engine)).exception(5)
     assert isinstance(error, DeciderError) and error.code == "backend_failed" and error.status == 500
-    assert scheduler.submit(_job(), _work(engine)).result(5).answers
+    assert decision_response(scheduler.submit(_job(), _work(engine)).result(5)).answers
     scheduler.close()
 
 

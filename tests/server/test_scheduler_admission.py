@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 from decider.engine.admission import ChatLengths
 from decider.engine.cost import Cost, CostModel, span_attended
-from decider.engine.scheduler import Job, Scheduler
+from decider.engine.jobs import Job
+from decider.engine.scheduler import Scheduler
 from decider.engine.steps import SeqPool, Step
 from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import DeciderError, OverloadedError, RequestExceedsDeadlineError, UnavailableError
 from decider.schemas.decision import parse_decision_request
+from decider.server.answers import decision_response
 from decider.server.handlers import _JobStream, run_until_disconnect
 from decider.server.metrics import ServerMetrics
 from server_fakes import FakeEngine
@@ -126,7 +128,7 @@ def test_a_decision_beside_running_chats_is_admitted_and_done_when_estimated(cha
         time.sleep(0.005)
     started = time.monotonic()
     job = scheduler.enqueue("decision", "beside", _work(engine, 600))
-    assert job.future.result(30).answers  # type: ignore[union-attr]
+    assert decision_response(job.future.result(30)).answers  # type: ignore[union-attr]
     measured = time.monotonic() - started
     assert job.estimate is not None
     assert 0.8 <= job.estimate / measured <= 1.25, (job.estimate, measured)
@@ -143,7 +145,7 @@ def test_an_idle_server_never_answers_deadline_unreachable() -> None:
     scheduler = _scheduler(engine, deadline=1.0)
     for size in (50, 400, 120):
         _timed(scheduler, _work(engine, size))
-    per_token = scheduler.costs.predict(Cost(0, 1000)) / 1000  # type: ignore[operator]
+    per_token = scheduler.admission.costs.predict(Cost(0, 1000)) / 1000  # type: ignore[operator]
 
     def tried_up_to_the_refusal() -> None:
         for share in (0.2, 0.6, 0.95, 1.05, 1.2):
@@ -155,7 +157,7 @@ def test_an_idle_server_never_answers_deadline_unreachable() -> None:
     stale = scheduler.admit("decision", "stale", Cost(3, 100), arrived_at=time.monotonic() - 2)
     gone = scheduler.admit("decision", "gone", Cost(3, 100))
     gone.cancel()
-    assert stale.expired() and {stale, gone} <= scheduler._admitted  # their handlers have not left yet
+    assert stale.expired() and {stale, gone} <= scheduler.admission.admitted  # their handlers are still there
     tried_up_to_the_refusal()
     scheduler.close()
 
@@ -170,7 +172,7 @@ def test_admission_estimates_follow_attention_on_500_2000_and_4500_token_request
     predictions = {}
     for size in (500, 2000, 4500):
         work = _work(engine, size)
-        predictions[size] = scheduler.costs.predict(work.cost)
+        predictions[size] = scheduler.admission.costs.predict(work.cost)
         measured = _timed(scheduler, work)
         assert predictions[size] == pytest.approx(measured, rel=0.35), size
     assert predictions[4500] / predictions[500] > 1.3 * 4500 / 500  # not proportional to tokens
@@ -182,7 +184,7 @@ def test_idle_server_tries_a_request_near_the_deadline_and_refuses_only_the_hope
     scheduler = _scheduler(engine, deadline=1.0)
     for size in (50, 400, 120):
         _timed(scheduler, _work(engine, size))
-    per_token = scheduler.costs.predict(Cost(0, 1000)) / 1000  # type: ignore[operator]
+    per_token = scheduler.admission.costs.predict(Cost(0, 1000)) / 1000  # type: ignore[operator]
     assert per_token == pytest.approx(0.001, rel=0.5)
     near = Cost(3, round(1.1 / per_token))  # just over the deadline: an estimate, so it is tried
     scheduler.withdraw(scheduler.admit("decision", "near", near))
@@ -293,8 +295,9 @@ def test_one_work_s_exception_fails_that_work_alone(where: str) -> None:
     bad = scheduler.enqueue("decision", "bad", _breaking(_work(engine), where))
     error = bad.future.exception(5)  # type: ignore[union-attr]
     assert isinstance(error, DeciderError) and error.code == "internal_error" and error.status == 500
-    assert all(job.future.result(5).answers for job in good)  # type: ignore[union-attr]
-    assert scheduler.enqueue("decision", "after", _work(engine)).future.result(5).answers  # type: ignore[union-attr]
+    assert all(decision_response(job.future.result(5)).answers for job in good)  # type: ignore[union-attr]
+    after = scheduler.enqueue("decision", "after", _work(engine)).future
+    assert decision_response(after.result(5)).answers  # type: ignore[union-attr]
     scheduler.close()
 
 
@@ -341,9 +344,9 @@ def test_a_handler_cancelled_at_once_leaves_nothing_admitted() -> None:
 
     asyncio.run(cancel_at_once())
     deadline = time.monotonic() + 5
-    while scheduler._admitted and time.monotonic() < deadline:
+    while scheduler.admission.admitted and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not scheduler._admitted  # not counted as waiting: no phantom 429/503, no Retry-After drift
+    assert not scheduler.admission.admitted  # not waiting: no phantom 429/503, no Retry-After drift
     scheduler.close()
 
 

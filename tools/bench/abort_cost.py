@@ -20,8 +20,8 @@ from contextlib import contextmanager
 
 import llama_cpp
 from decider.engine.bundled import smollm2_path
-from decider.engine.invariance import BatchPolicy
 from decider.engine.native import ContextConfig, LlamaRuntime, Row
+from decider.invariance import BatchPolicy
 
 
 @contextmanager

@@ -50,11 +50,12 @@ from typing import Any
 from decider.engine import DecisionEngine
 from decider.engine.bundled import smollm2_path
 from decider.engine.decisions import DecisionPlanner
-from decider.engine.invariance import DEFAULT_UBATCH, BatchPolicy
 from decider.engine.modelfile import resolve_model_file
 from decider.engine.native import ContextConfig, LlamaRuntime, Row
 from decider.engine.prompt import PROMPT_V1, PROMPT_V2, SYSTEM_PROMPT
+from decider.invariance import DEFAULT_UBATCH, BatchPolicy
 from decider.schemas.decision import DecisionRequest, parse_decision_request
+from decider.server.answers import decide
 from decider.settings import Settings
 from rich.console import Console
 from rich.table import Table
@@ -172,7 +173,7 @@ def decide_run(
     out = Timed()
     for body in workload.bodies:
         request = parse(body, workload.sample if sampled else None, mode=mode)
-        seconds, response = best_of(repeats, lambda request=request: engine.decide(request))
+        seconds, response = best_of(repeats, lambda request=request: decide(engine, request))
         out.seconds += seconds
         out.questions += len(request.questions)
         out.tokens += engine.plan_decision(request).cost_tokens
@@ -293,7 +294,7 @@ def options_run(engine: DecisionEngine, case: dict[str, Any], count: int, repeat
         return {"options": count, "seconds": nan, "tokens": 0, "readout": unsupported, "decodes": 0,
                 "top_p": nan, "sum_p": nan}  # fmt: skip
     request = parse(many_options_body(case, count), extensions=True)
-    seconds, response = best_of(repeats, lambda: engine.decide(request))
+    seconds, response = best_of(repeats, lambda: decide(engine, request))
     answer = response.answers["queue"]
     return {
         "options": count,
@@ -313,8 +314,8 @@ def admission_run(engine: DecisionEngine, cases: list[dict[str, Any]]) -> list[d
         body = build_w2(engine, cases, target, 3)
         request = parse(body)
         work = engine.decision_work(engine.plan_decision(request))
-        predicted = engine._local.costs.predict(work.cost)  # the decide() runs fitted it
-        seconds, _ = best_of(1, lambda request=request: engine.decide(request))
+        predicted = engine._local.admission.costs.predict(work.cost)  # the decide() runs fitted it
+        seconds, _ = best_of(1, lambda request=request: decide(engine, request))
         rows.append({"tokens": work.cost.tokens, "predicted": predicted, "seconds": seconds})
     return rows
 
@@ -332,7 +333,7 @@ def invariant_worker(args: argparse.Namespace) -> int:
     default = DecisionEngine.load(Settings(**fields, prompt_version=PROMPT_V1))
     loads = workloads(engine, args)
     for warm in (engine, default):
-        warm.decide(parse(loads[0].bodies[0]))  # warm-up: graph allocation, page cache
+        decide(warm, parse(loads[0].bodies[0]))  # warm-up: graph allocation, page cache
     result: dict[str, Any] = {}
     for workload in loads:
         invariant, beside = Timed(), Timed()
@@ -441,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{w2.sample}; best of {args.repeats} per measurement"
     )
     for warm in (engine, v2):
-        warm.decide(parse(w1.bodies[0]))  # warm-up: graph allocation, page cache
+        decide(warm, parse(w1.bodies[0]))  # warm-up: graph allocation, page cache
 
     runs: dict[str, dict[str, Timed]] = {}
     for workload in (w1, w2):
@@ -505,12 +506,12 @@ def hybrid_passes_run(workload: Workload, layers: int, embd: int) -> dict[str, d
     engine = DecisionEngine.load(settings, count_passes=True)
     runtime = engine.runtime
     n_ubatch = settings.micro_batch
-    engine.decide(parse(workload.bodies[0]))  # warm-up, and starts the private scheduler
+    decide(engine, parse(workload.bodies[0]))  # warm-up, and starts the private scheduler
     real = runtime.decode
     out: dict[str, dict[str, float]] = {}
     try:
         for name, equal in (("equal_rows", True), ("rows_as_planned", False)):
-            engine._local.equal_rows = equal
+            engine._local.loop.equal_rows = equal
             counts = {"decodes": 0, "tokens": 0, "passes": 0, "worst": 0.0}
 
             def counted(rows: list[Row], counts: dict[str, Any] = counts, **kwargs: Any) -> None:
@@ -524,7 +525,7 @@ def hybrid_passes_run(workload: Workload, layers: int, embd: int) -> dict[str, d
                 counts["worst"] = max(counts["worst"], passes / (2 * math.ceil(tokens / n_ubatch)))
 
             runtime.decode = counted  # type: ignore[method-assign]
-            seconds, _ = best_of(2, lambda: [engine.decide(parse(body)) for body in workload.bodies])
+            seconds, _ = best_of(2, lambda: [decide(engine, parse(body)) for body in workload.bodies])
             runtime.decode = real  # type: ignore[method-assign]
             out[name] = {
                 "decodes": counts["decodes"] / 2,

@@ -288,13 +288,14 @@ def measure_overhead(
 ) -> tuple[list[float], list[float]]:
     """Per-case seconds in-process and over HTTP, alternating the order to cancel drift."""
     from decider.schemas.decision import parse_decision_request
+    from decider.server.answers import decide
 
     engine_times: list[float] = []
     http_times: list[float] = []
 
     def in_process(case: dict[str, Any]) -> None:
         started = time.perf_counter()
-        engine.decide(parse_decision_request(request_body(case))).to_wire()
+        decide(engine, parse_decision_request(request_body(case))).to_wire()
         engine_times.append(time.perf_counter() - started)
 
     def over_http(case: dict[str, Any]) -> None:

@@ -1,7 +1,10 @@
 """The llama.cpp decision engine (see docs/engine.md).
 
-The package's names are imported lazily: `decider.settings` (which the CDK stacks import) uses
-`decider.engine.invariance`, and must not load llama.cpp to do so.
+The package's names are imported lazily, so a module of it that needs no model (the readout math,
+the schema limits, the scheduler's pieces) can be imported without loading llama.cpp.
+
+Layers, each importing only those below it (tests/engine/test_import_layers.py): `decider.errors`
+and `decider.invariance`; `decider.settings`; `decider.engine` and `decider.schemas`; `decider.server`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from decider.engine.schema_limits import GrammarLimits, check_grammar_text, check_schema
+from decider.engine.schema_limits import check_grammar_text, check_schema
+from decider.settings import GrammarLimits
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 

@@ -1,19 +1,22 @@
-"""Decision requests as plans of prompts to read, and plans read back as typed answers.
+"""Decision requests as plans of prompts to read, and the readouts those plans come back with.
 
 `DecisionPlanner.plan` runs before admission (on a worker thread, never on the engine thread): it
 serializes and tokenizes each state once and each question's tail once per option order, checks
 every limit that needs the tokenizer, and counts the tokens the request will cost. The scheduler's
-`DecisionWork` then fills each item's readouts, and `DecisionPlanner.respond` turns them into the
-response with the pure functions of `readout`.
+`DecisionWork` then fills each item's readouts and hands back a `DecisionOutcome`; the server makes
+the response from it off the engine thread (decider.server.answers), with `option_scores` and
+`allowed_mass` here and the pure functions of `readout`.
+
+The engine reads requests through the protocols below, never the wire schemas: the pydantic models
+of decider.schemas.decision have these fields, and the engine never imports them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -22,36 +25,72 @@ from decider.engine.labels import READOUT_CHAIN, Label, LabelTable, LabelTrie
 from decider.engine.native import RowOutput
 from decider.engine.prompt import PromptBuilder, StatePrompt
 from decider.engine.readout import (
-    CONFIDENCE_FORMULA,
     align_to_options,
     allowed_token_mass,
-    argmax,
     average_logits,
     logsumexp,
-    normalized_peak,
     option_orders,
-    score_expectation,
-    softmax,
 )
 from decider.errors import RequestError
-from decider.schemas.decision import (
-    Answer,
-    BatchDecisionRequest,
-    BatchDecisionResponse,
-    ChoiceAnswer,
-    DecisionOptions,
-    DecisionRequest,
-    DecisionResponse,
-    NoulAnswer,
-    Question,
-    ScoreAnswer,
-    Usage,
-)
-from decider.settings import Settings
+from decider.settings import QuestionType, Settings
 
 PERMUTATION_SEED = 20240601  # frozen: the same request always sees the same option orders
 Mode = Literal["shared", "fresh"]
 Prefix = tuple[int, ...]
+
+
+class Option(Protocol):
+    """One answer option as shown to the model (None description: the prompt version's default)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def description(self) -> Any: ...
+
+
+class Question(Protocol):
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def type(self) -> QuestionType: ...
+
+    @property
+    def instructions(self) -> Any: ...
+
+    @property
+    def options(self) -> Sequence[Option]: ...
+
+
+class DecisionOptions(Protocol):
+    """What a decision request asks besides its state(s): the questions and the optional fields."""
+
+    @property
+    def questions(self) -> Sequence[Question]: ...
+
+    @property
+    def extensions(self) -> bool: ...
+
+    @property
+    def permutations(self) -> int: ...
+
+    @property
+    def mode(self) -> Mode | None: ...
+
+
+class DecisionRequest(DecisionOptions, Protocol):
+    """One state (`POST /v1/systemone`)."""
+
+    @property
+    def state(self) -> Any: ...
+
+
+class BatchDecisionRequest(DecisionOptions, Protocol):
+    """Many states, the same questions for each (`POST /v1/systemone/batch`)."""
+
+    @property
+    def states(self) -> Sequence[Any]: ...
 
 
 @dataclass(eq=False)
@@ -311,134 +350,38 @@ class DecisionPlanner:
                 param=param,
             )
 
-    # --- answers -----------------------------------------------------------------------------------
-    def respond(
-        self, plan: DecisionPlan, stats: dict[str, Any], *, cached: Sequence[int] = ()
-    ) -> DecisionResponse | BatchDecisionResponse:
-        """The response; `cached[i]`: prompt tokens of state i read from the caches, not decoded."""
-        responses = [
-            self._state_response(plan, state, stats, cached[i] if i < len(cached) else 0)
-            for i, state in enumerate(plan.states)
-        ]
-        if not plan.batch:
-            return responses[0]
-        total = sum(response.usage.input_tokens for response in responses)
-        reused = sum(response.usage.cached_tokens for response in responses)
-        return BatchDecisionResponse(
-            results=tuple(responses), usage=Usage(input_tokens=total, output_tokens=0, cached_tokens=reused)
+    # --- outcomes -----------------------------------------------------------------------------------
+    def outcome(self, plan: DecisionPlan, stats: dict[str, Any], cached: Sequence[int]) -> DecisionOutcome:
+        """What a finished plan hands back (cheap: the answer itself is made off the engine thread)."""
+        return DecisionOutcome(
+            plan=plan,
+            stats=stats,
+            cached=tuple(cached),
+            model_id=self.model_id,
+            prompt_version=self.builder.version,
+            temperatures={q.key: self.settings.temperature_for(q.type) for q in plan.options.questions},
+            piece=self._piece,
         )
 
-    def _state_response(
-        self, plan: DecisionPlan, state: StatePlan, stats: dict[str, Any], cached: int = 0
-    ) -> DecisionResponse:
-        request = plan.options
-        by_question: dict[str, list[Item]] = {}
-        for item in state.items:
-            by_question.setdefault(item.question.key, []).append(item)
-        head = plan.head_tokens
-        before = head + len(state.prefix)  # prompt tokens ahead of each item's own
-        answers: dict[str, Answer] = {
-            question.key: self._answer(
-                question, by_question.get(question.key, []), request.extensions, before
-            )
-            for question in request.questions
-        }
-        if plan.mode == "fresh":
-            input_tokens = sum(head + len(state.prefix) + len(item.tokens) for item in state.items)
-        else:
-            input_tokens = (head + len(state.prefix) if state.items else 0) + sum(
-                len(i.tokens) for i in state.items
-            )
-        extensions = None
-        if request.extensions:
-            extensions = {
-                "mode": plan.mode,
-                "model": self.model_id,
-                "prompt_version": self.builder.version,
-                "permutations": request.permutations,
-                "prefix_boundary": "state" if state.prompt.canonical else "common-prefix",
-                "head_tokens": head,
-                "prefix_tokens": (head + len(state.prefix)) if plan.mode == "shared" else 0,
-                "suffix_tokens": sum(len(item.tokens) for item in state.items),
-                "branches": len(state.items),
-                "cached_tokens": cached,
-                **stats,
-            }
-        return DecisionResponse(
-            model=self.model_id,
-            answers=answers,
-            usage=Usage(input_tokens=input_tokens, output_tokens=0, cached_tokens=cached),
-            extensions=extensions,
-        )
 
-    def _answer(self, question: Question, items: list[Item], with_extensions: bool, before: int) -> Answer:
-        keys = [option.key for option in question.options]
-        temperature = self.settings.temperature_for(question.type)
-        if not items:  # a single candidate: certain, without running the model
-            scores, probs = [0.0] * len(keys), [1.0] * len(keys)
-        else:
-            per_order = [align_to_options(item.order, label_scores(item)) for item in items]
-            scores = average_logits(per_order)
-            probs = softmax(scores, temperature)
-        extensions = None
-        if with_extensions:
-            extensions = self._answer_extensions(question, items, keys, scores, temperature, before)
-        if question.type == "noul":
-            return NoulAnswer(noul=probs[0], extensions=extensions)
-        probabilities = dict(zip(keys, probs, strict=True))
-        if question.type == "choice":
-            return ChoiceAnswer(
-                choice=keys[argmax(probs)],
-                probabilities=probabilities,
-                confidence=normalized_peak(probs),
-                extensions=extensions,
-            )
-        return ScoreAnswer(
-            score=score_expectation(probs),
-            legend={o.key: o.description for o in question.options},  # type: ignore[misc]
-            probabilities=probabilities,
-            confidence=normalized_peak(probs),
-            extensions=extensions,
-        )
+@dataclass(frozen=True, eq=False)
+class DecisionOutcome:
+    """A decision the engine has finished: the plan with every item's readouts, and what its answer
+    needs besides (decider.server.answers makes the response from it)."""
 
-    def _answer_extensions(
-        self,
-        question: Question,
-        items: list[Item],
-        keys: list[str],
-        scores: list[float],
-        temperature: float,
-        before: int,
-    ) -> dict[str, Any]:
-        if not items:
-            return {"readout": "single-candidate", "temperature": temperature, "input_tokens": 0}
-        first = items[0]
-        root = first.outputs[()]
-        argmax_id = root.argmax if root.argmax is not None else -1
-        readout = first.readout
-        extensions: dict[str, Any] = {
-            "readout": readout,
-            "option_ids": [
-                list(label.tokens) if len(label.tokens) > 1 else label.tokens[0] for label in first.labels
-            ],
-            "option_labels": [label.text for label in first.labels],
-            ("option_logprobs" if readout == READOUT_CHAIN else "option_logits"): dict(
-                zip(keys, scores, strict=True)
-            ),
-            "allowed_token_mass": float(np.mean([allowed_mass(item) for item in items])),
-            "prompt_sha256": hashlib.sha256((first.text or "").encode("utf-8")).hexdigest(),
-            "prompt_version": self.builder.version,
-            "input_tokens": before + len(first.tokens),
-            "temperature": temperature,
-            "full_vocab_argmax_id": argmax_id,
-            "full_vocab_argmax_text": self._piece(argmax_id).decode("utf-8", errors="replace")
-            if argmax_id >= 0
-            else "",
-            "permutations": [list(item.order) for item in items],
-        }
-        if question.type != "noul":
-            extensions["confidence_formula"] = CONFIDENCE_FORMULA
-        return extensions
+    plan: DecisionPlan
+    stats: dict[str, Any]  # decodes, rows, timing (the scheduler's)
+    cached: tuple[int, ...]  # per state: prompt tokens read from the caches, not decoded
+    model_id: str
+    prompt_version: str
+    temperatures: dict[str, float]  # per question key
+    piece: Callable[[int], bytes]  # a token's text (the full-vocabulary argmax, with extensions)
+
+
+def option_scores(items: Sequence[Item]) -> list[float]:
+    """One score per option of a question, in its own order: each option order's label scores
+    mapped back to the options, averaged over the orders."""
+    return average_logits([align_to_options(item.order, label_scores(item)) for item in items])
 
 
 def label_scores(item: Item) -> list[float]:

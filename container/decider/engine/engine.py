@@ -7,7 +7,8 @@ generated. Planning (`plan_decision`, `plan_batch`, `chat_plan`) tokenizes and c
 limit; the resulting `DecisionWork` / `ChatWork` runs on the scheduler's engine thread, batched
 with everything else that is running (see `decider.engine.scheduler`).
 
-`decide(request)` runs one request in-process on a private scheduler (tests, benchmarks).
+`decide(request)` runs one request in-process on a private scheduler (tests, benchmarks) and returns
+its `DecisionOutcome`: the engine never builds wire responses (decider.server.answers does).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from decider.engine import generation
-from decider.engine.decisions import DecisionPlan, DecisionPlanner
+from decider.engine.decisions import (
+    BatchDecisionRequest,
+    DecisionOutcome,
+    DecisionPlan,
+    DecisionPlanner,
+    DecisionRequest,
+)
+from decider.engine.jobs import Job
 from decider.engine.labels import LabelError, LabelTable, build_label_table
 from decider.engine.markers import CallerText, MarkerError
 from decider.engine.modelfile import display_name, quantization_from_name, resolve_model_file, verify_sha256
@@ -32,15 +40,9 @@ from decider.engine.prompt import (
     PromptFrame,
     TemplateUnusableError,
 )
-from decider.engine.scheduler import Job, Scheduler
+from decider.engine.scheduler import Scheduler
 from decider.engine.work import ChatPlan, ChatWork, DecisionWork
 from decider.errors import RequestError, StartupError
-from decider.schemas.decision import (
-    BatchDecisionRequest,
-    BatchDecisionResponse,
-    DecisionRequest,
-    DecisionResponse,
-)
 from decider.settings import Settings
 
 
@@ -214,14 +216,11 @@ class DecisionEngine:
     def decision_work(self, plan: DecisionPlan) -> DecisionWork:
         return DecisionWork(plan, self.planner)
 
-    def decide(
-        self, request: DecisionRequest | BatchDecisionRequest
-    ) -> DecisionResponse | BatchDecisionResponse:
-        """Answer one request in-process, synchronously (a private scheduler; not for the server)."""
-        if isinstance(request, BatchDecisionRequest):
-            plan = self.plan_batch(request)
-        else:
-            plan = self.plan_decision(request)
+    def decide(self, request: DecisionRequest | BatchDecisionRequest) -> DecisionOutcome:
+        """Run one request in-process, synchronously (a private scheduler; not for the server). Its
+        response: `decider.server.answers.decision_response`, or `decide` there in one call."""
+        batch = hasattr(request, "states")
+        plan = self.plan_batch(request) if batch else self.plan_decision(request)  # type: ignore[arg-type]
         return self._run_local(self.decision_work(plan), "decision")
 
     def _run_local(self, work: Any, kind: str) -> Any:

@@ -23,7 +23,7 @@ import llama_cpp._logger as llama_logger
 import numpy as np
 
 from decider.engine.abort_flag import AbortFlag
-from decider.engine.invariance import BatchPolicy
+from decider.invariance import BatchPolicy
 
 # llama.cpp logs every tensor at load; keep errors only (the engine reports its own summary).
 llama_logger.set_verbose(False)

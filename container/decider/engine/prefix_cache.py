@@ -58,19 +58,6 @@ class Pool(Protocol):
     def release(self, memory: Any, seq: int) -> None: ...
 
 
-@dataclass(frozen=True)
-class CacheBudget:
-    """What the caches may hold (settings: DECIDER_STATE_CACHE_CELLS, _SEQS, DECIDER_REPEAT_CACHE_ENTRIES)."""
-
-    state_cells: int = 0
-    state_seqs: int = 0
-    repeat_entries: int = 0
-
-    @property
-    def states(self) -> bool:
-        return self.state_cells > 0 and self.state_seqs > 0
-
-
 @dataclass(eq=False)
 class Caches:
     """The scheduler's caches, as works see them (`Step.caches`). `namespace` names the model file

@@ -24,22 +24,12 @@ answers as 422 `response_format_too_complex`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
+
+from decider.settings import GrammarLimits
 
 Path = tuple[str | int, ...]
 BOUND_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems")
-
-
-@dataclass(frozen=True)
-class GrammarLimits:
-    """The limits (their defaults are the settings' defaults: decider.settings)."""
-
-    schema_bytes: int = 65536
-    repetition: int = 4096
-    optional_properties: int = 128
-    grammar_bytes: int = 262144
-    grammar_depth: int = 1024
 
 
 class GrammarLimitError(ValueError):

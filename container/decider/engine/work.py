@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from decider.engine import chat_options
 from decider.engine.admission import ChatLengths
 from decider.engine.cost import Cost, span_attended
-from decider.engine.decisions import DecisionPlan, DecisionPlanner, Item, Prefix, StatePlan
+from decider.engine.decisions import DecisionOutcome, DecisionPlan, DecisionPlanner, Item, Prefix, StatePlan
 from decider.engine.generation import (
     FinishReason,
     GenerationEvent,
@@ -33,11 +33,11 @@ from decider.engine.generation import (
     free_sampler,
     make_sampler,
 )
-from decider.engine.invariance import HEAD_SEQ
 from decider.engine.labels import READOUT_CHAIN
 from decider.engine.native import OutputSpec, Row
 from decider.engine.prefix_cache import CachedState, Caches, prompt_digest, repeat_key
 from decider.engine.steps import Memory, SeqPool, Step, Unit
+from decider.invariance import HEAD_SEQ
 
 
 @dataclass(frozen=True)
@@ -246,11 +246,12 @@ class DecisionWork:
             streams_alone=any(state.streaming for state in running),
         )
 
-    def outcome(self) -> Any:
-        return self.planner.respond(
+    def outcome(self) -> DecisionOutcome:
+        """The readouts, handed back as they are: the response is made off the engine thread."""
+        return self.planner.outcome(
             self.plan,
             {"decodes": self.decodes, "rows": self.rows, "timing": self.timing},
-            cached=[state.cached_tokens for state in self.states],
+            [state.cached_tokens for state in self.states],
         )
 
     # --- planning ---------------------------------------------------------------------------------

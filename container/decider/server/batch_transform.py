@@ -37,6 +37,7 @@ from decider.errors import (
 )
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
+from decider.server.answers import decision_response
 from decider.server.body import decode_content, parse_json, read_body
 from decider.server.handlers import ClientDisconnectedError, internal_error
 from decider.server.routing import target_from_body
@@ -218,7 +219,8 @@ class _Invocation:
             return engine.plan_decision(parse_decision_request(body, **limits))
 
         plan = await asyncio.to_thread(prepare)
-        response = await self._run(f"{self.request_id}-{index}", plan, engine)
+        outcome = await self._run(f"{self.request_id}-{index}", plan, engine)
+        response = await asyncio.to_thread(decision_response, outcome)  # off the engine thread
         self.runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
         return translated.response(response) if translated is not None else response.to_wire()
 

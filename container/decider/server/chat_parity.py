@@ -12,10 +12,11 @@ import dataclasses
 from typing import Any
 
 from decider.engine import chat_options
-from decider.engine.schema_limits import GrammarLimitError, GrammarLimits
+from decider.engine.schema_limits import GrammarLimitError
 from decider.engine.work import ChatPlan
 from decider.errors import RequestError
 from decider.schemas.chat import ChatCompletionRequest
+from decider.settings import GrammarLimits
 
 SCHEMA_PARAM = ("response_format", "json_schema", "schema")
 

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from decider.engine.generation import GenerationEvent
-from decider.engine.scheduler import ClientGoneError, Job, deadline_error
+from decider.engine.jobs import ClientGoneError, Job, deadline_error
 from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import DeciderError, RequestError, internal_error
 from decider.schemas.chat import (
@@ -34,6 +34,7 @@ from decider.schemas.chat import (
 )
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
+from decider.server.answers import decision_response
 from decider.server.chat_parity import check_stop, logprobs_of, with_chat_options
 from decider.server.intake import release_intake
 from decider.server.runtime import Engine, ServerRuntime
@@ -143,10 +144,12 @@ async def execute_decision(
     runtime: ServerRuntime, request: Request, engine: Engine, prepare: Callable[[], Any]
 ) -> Any:
     """The one decision path behind every decision route: plan (validate and tokenize) on a worker
-    thread, admit by token count, run batched on the engine thread, count tokens."""
+    thread, admit by token count, run batched on the engine thread, make the response on a worker
+    thread from the readouts the engine hands back, count tokens."""
     plan = await runtime.intake.run(prepare)  # parsing and tokenizing never block the event loop
     release_intake(request)
-    response = await run_until_disconnect(runtime, request, "decision", engine.decision_work(plan))
+    outcome = await run_until_disconnect(runtime, request, "decision", engine.decision_work(plan))
+    response = await asyncio.to_thread(decision_response, outcome)
     runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
     return response
 

@@ -16,7 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from decider.engine.scheduler import Backend, Scheduler, shutting_down
+from decider.engine.jobs import shutting_down
+from decider.engine.loop import Backend
+from decider.engine.scheduler import Scheduler
 from decider.errors import StartupError, UnavailableError
 from decider.server.intake import Intake
 from decider.server.metrics import ServerMetrics
