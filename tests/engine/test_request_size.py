@@ -147,3 +147,21 @@ def test_no_jevbench_case_nor_the_demo_request_comes_near_the_default(
     batch = {"states": [state] * settings.max_batch_states, "questions": questions, "permutations": most}
     plan = engine.plan_batch(_request(batch, settings))
     assert 0 < plan.planned_tokens < limit, (plan.planned_tokens, limit)
+
+
+def test_a_chat_that_cannot_fit_the_context_is_refused_before_tokenizing(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    for owner in (engine.runtime, engine.caller_text):
+        inner = owner.tokenize
+        monkeypatch.setattr(
+            owner, "tokenize", lambda text, *a, inner=inner, **k: calls.append(text) or inner(text, *a, **k)
+        )
+    messages = [{"role": "user", "content": WORDS * (700_000 // len(WORDS))}]
+    with pytest.raises(RequestError) as refused:
+        engine.chat_plan(messages, max_tokens=None, max_tokens_cap=16)
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
+    assert calls == []
+    short = engine.chat_plan([{"role": "user", "content": "Say hello."}], max_tokens=8, max_tokens_cap=16)
+    assert short.prompt and calls  # an ordinary chat is tokenized as before
