@@ -176,8 +176,8 @@ def test_errors_carry_both_shapes_on_every_route(live_server: LocalServer) -> No
 
 def test_a_body_that_asks_for_too_many_tokens_is_refused_before_tokenizing(live_server: LocalServer) -> None:
     """64 questions of ~84 KB at 8 permutations: 5.4 MB, under the body cap, ~43 MB of text to tokenize
-    (it took the old planner tens of seconds, then a context refusal). Now a typed 422 from the bytes,
-    as a request and as a Batch Transform record."""
+    (the old planner tokenized all of it, then refused it as `context_length_exceeded`). Now a typed
+    422 from the bytes, as a request and as a Batch Transform record."""
     words = "the customer says the payment failed again and asks what to do next "
     criteria = {"a": "first", "b": "second", "c": "third", "d": "fourth"}
     question = {"type": "choice", "instructions": words * (84_000 // len(words)), "criteria": criteria}

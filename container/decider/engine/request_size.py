@@ -3,7 +3,7 @@
 Planning tokenizes each state once and each question's tail once per option order, before the
 scheduler can admit or refuse the request by its cost. A body within `DECIDER_MAX_BODY_BYTES` can
 therefore ask for far more text than it holds: 64 questions of 80 KB at 8 permutations is 40 MB of
-text to tokenize from a 5 MB body (about 10 million tokens, ~400 MB of token lists). The tokens
+text to tokenize from a 5 MB body (about 8 million tokens, ~300 MB of token lists). The tokens
 planned for a request are bounded by `DECIDER_MAX_REQUEST_TOKENS` (422 `request_too_large`), one rule
 checked in two places:
 
