@@ -65,7 +65,10 @@ bench-bad-input: setup
 
 # The OpenAPI fuzz, longer than in `make test` (tests/server/test_openapi.py: 200 examples per operation).
 fuzz: setup
-	DECIDER_FUZZ_EXAMPLES=$${DECIDER_FUZZ_EXAMPLES:-200} $(BIN)/pytest -n 0 -q tests/server/test_openapi.py
+	mkdir -p runs && rm -f runs/fuzz-summary.txt
+	DECIDER_FUZZ_EXAMPLES=$${DECIDER_FUZZ_EXAMPLES:-200} DECIDER_FUZZ_SUMMARY=$(CURDIR)/runs/fuzz-summary.txt \
+		$(BIN)/pytest -n 0 -q tests/server/test_openapi.py
+	@echo "answers by operation, status and code (runs/fuzz-summary.txt):"; cat runs/fuzz-summary.txt
 
 # The mixed-traffic soak with locust, 10 minutes (tools/soak/; MINUTES=1 for a short try). Never in `make test`.
 MINUTES ?= 10

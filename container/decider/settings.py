@@ -197,6 +197,14 @@ class Settings(BaseSettings):
     )
     max_batch_states: int = Field(64, ge=1, le=1024, description="States per /v1/systemone/batch request.")
     max_state_tokens: PositiveInt = Field(6144, description="Tokens of the state (evidence) alone.")
+    max_request_tokens: PositiveInt | None = Field(
+        None,
+        description="Prompt tokens one decision request may have tokenized and held while it is planned "
+        "(each state once, each question once per option order), checked on a byte bound before "
+        "tokenizing and counted while tokenizing; 422 request_too_large beyond "
+        "(decider.engine.request_size). Default: max_batch_states x n_ctx (524288 at the defaults: every "
+        "state of the largest batch filling the context), about 19 MB of token ids.",
+    )
     max_chat_tokens: PositiveInt = Field(1024, description="Largest chat max_tokens accepted.")
     max_stop_chars: int = Field(
         256,
@@ -311,6 +319,13 @@ class Settings(BaseSettings):
                 "so that questions still fit after the state"
             )
         return self
+
+    @property
+    def request_token_limit(self) -> int:
+        """max_request_tokens, resolved."""
+        if self.max_request_tokens is not None:
+            return self.max_request_tokens
+        return self.max_batch_states * self.n_ctx
 
     @property
     def epoch_limit(self) -> int:

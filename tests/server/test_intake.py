@@ -5,6 +5,7 @@ the HTTP loop's. The real uvicorn server runs in this process on a fake engine h
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -138,3 +139,50 @@ def test_a_client_that_leaves_while_its_body_is_read_is_no_server_error(
         _wait_until(lambda: runtime.metrics.requests.labels("/v1/systemone", "499")._value.get() == 1)
         assert httpx.post(f"{base}/v1/systemone", json=DECISION, timeout=10).status_code == 200
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+class _PlanWatch(FakeEngine):
+    """Records, for every plan, the thread it ran on and how many plans ran at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+        self.most_at_once = 0
+        self._at_once = 0
+        self._lock = threading.Lock()
+
+    def plan_decision(self, request: Any) -> Any:
+        with self._lock:
+            self._at_once += 1
+            self.most_at_once = max(self.most_at_once, self._at_once)
+            self.threads.append(threading.current_thread().name)
+        try:
+            time.sleep(0.03)  # long enough for overlapping plans to overlap
+            return super().plan_decision(request)
+        finally:
+            with self._lock:
+                self._at_once -= 1
+
+
+def test_batch_transform_records_are_parsed_and_planned_in_intake() -> None:
+    """JSON Lines records take intake places like any body: with DECIDER_PARSE_CONCURRENCY=1 no two
+    plans overlap, a real-time request's included, and every one runs on a low-priority intake thread."""
+    engine = _PlanWatch()
+    app = create_app(
+        Settings(model_path="/nonexistent/model.gguf", parse_concurrency=1), loader=lambda _: engine
+    )
+    records = "\n".join(json.dumps({**DECISION, "state": f"ticket {i}"}) for i in range(6))
+    with serve_in_thread(app) as base:
+        single = _background_post(base)
+        response = httpx.post(
+            f"{base}/invocations",
+            content=records,
+            headers={"Content-Type": "application/jsonlines"},
+            timeout=30,
+        )
+        single.join(10)
+    assert response.status_code == 200, response.text
+    assert all("answers" in json.loads(line) for line in response.text.splitlines())
+    assert len(engine.threads) == 7
+    assert all(name.startswith("intake") for name in engine.threads), engine.threads
+    assert engine.most_at_once == 1

@@ -174,6 +174,30 @@ def test_errors_carry_both_shapes_on_every_route(live_server: LocalServer) -> No
     }
 
 
+def test_a_body_that_asks_for_too_many_tokens_is_refused_before_tokenizing(live_server: LocalServer) -> None:
+    """64 questions of ~84 KB at 8 permutations: 5.4 MB, under the body cap, ~43 MB of text to tokenize
+    (the old planner tokenized all of it, then refused it as `context_length_exceeded`). Now a typed
+    422 from the bytes, as a request and as a Batch Transform record."""
+    words = "the customer says the payment failed again and asks what to do next "
+    criteria = {"a": "first", "b": "second", "c": "third", "d": "fourth"}
+    question = {"type": "choice", "instructions": words * (84_000 // len(words)), "criteria": criteria}
+    body = {"state": STATE, "questions": {f"q{i}": question for i in range(64)}, "permutations": 8}
+    data = json.dumps(body)
+    response = httpx.post(f"{live_server.base_url}/v1/systemone", content=data, timeout=20)
+    assert response.status_code == 422, response.text[:300]
+    assert_error_body(response.json(), "request_too_large", status=422)
+    assert response.json()["error"]["param"] == "questions"
+    record = httpx.post(
+        f"{live_server.base_url}/invocations",
+        content=data + "\n" + json.dumps(DECISION),
+        headers={"Content-Type": "application/jsonlines"},
+        timeout=60,
+    )
+    refused, answered = (json.loads(line) for line in record.text.splitlines())
+    assert_error_body(refused, "request_too_large")
+    assert set(answered["answers"]) == set(DECISION["questions"])
+
+
 def test_models_reports_the_marker_list(live_server: LocalServer) -> None:
     (model,) = _openai(live_server).models.list().data
     markers = model.model_extra["markers"]

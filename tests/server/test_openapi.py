@@ -8,6 +8,7 @@ runs the same with DECIDER_FUZZ_EXAMPLES=200 per operation (a few examples each 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,8 @@ from tools.local_server import LocalServer
 
 DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 EXAMPLES = int(os.environ.get("DECIDER_FUZZ_EXAMPLES", "4"))
+SUMMARY = os.environ.get("DECIDER_FUZZ_SUMMARY")  # `make fuzz`: answers by operation, status and code
+ANSWERS: collections.Counter[str] = collections.Counter()
 schema = schemathesis.openapi.from_dict(openapi_document())
 
 
@@ -52,11 +55,18 @@ def test_the_server_publishes_it() -> None:
 
 
 def _short(case: Any) -> None:
-    """Keep generations short: a chat body generates 2 tokens at most."""
+    """Keep generations short: a chat body generates 2 tokens at most. Only values the document allows
+    are changed (to values it allows): a body made to break the document must stay broken, or the
+    server's 200 would read as an invalid body accepted."""
     body = case.body
-    if isinstance(body, dict) and "messages" in body:
-        body.pop("max_completion_tokens", None)
-        body["max_tokens"] = 2
+    if not isinstance(body, dict) or "messages" not in body:
+        return
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 2:
+            body[field] = 2
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 2  # absent or null (the default: up to DECIDER_MAX_CHAT_TOKENS)
 
 
 @pytest.mark.server
@@ -75,6 +85,13 @@ def test_schemathesis(case: Any, live_server: LocalServer) -> None:
     response = case.call_and_validate(
         base_url=live_server.base_url, timeout=60, excluded_checks=[positive_data_acceptance]
     )
+    code = ""
+    if response.status_code >= 400:
+        try:
+            code = response.json()["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = "no_error_body"
+    ANSWERS[f"{case.operation.label} {response.status_code} {code}".strip()] += 1
     if response.status_code >= 500:
         body = response.json()
         assert response.status_code in (503, 504) and body["error"]["retryable"], response.text
@@ -87,3 +104,8 @@ def test_the_server_lives_through_the_fuzzing(live_server: LocalServer) -> None:
     if isinstance(live_server, LocalServer):
         assert live_server.process.poll() is None
         assert "Traceback" not in live_server.logs()
+    if SUMMARY:
+        lines = [f"{count:6d}  {key}" for key, count in sorted(ANSWERS.items())]
+        Path(SUMMARY).write_text(
+            f"{sum(ANSWERS.values())} requests, {EXAMPLES} examples per operation\n" + "\n".join(lines) + "\n"
+        )

@@ -2,8 +2,10 @@
 
 Decisions, batches, chats with `response_format`, streams cancelled after their first tokens, and
 invalid bodies (bad JSON, too many questions, a schema beyond the grammar limits), all at once.
-Each request is counted by (route, status, code); each stream's largest gap between two chunks is
-kept. At exit the counts and the gap go to $SOAK_RESULTS (JSON), which tools.soak.run reports.
+Each request is counted by (route, status, code), streamed ones too: a refusal before the first
+token and an error event inside a stream by their typed code (tools/soak/accounting.py); each
+stream's largest gap between two chunks is kept. At exit the counts and the gap go to $SOAK_RESULTS
+(JSON), which tools.soak.run reports.
 Runs in locust's own process (it patches the standard library with gevent): never imported by tests.
 """
 
@@ -12,11 +14,14 @@ from __future__ import annotations
 import collections
 import json
 import os
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
 from locust import HttpUser, between, events, task
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # locust loads this file by path
+from tools.soak.accounting import count_key, failure, read_stream
 
 COUNTS: collections.Counter[str] = collections.Counter()
 GAPS: dict[str, float] = {"largest_gap_seconds": 0.0}
@@ -43,16 +48,7 @@ TOO_COMPLEX = {
 
 @events.request.add_listener
 def _count(name: str, response: Any, exception: Any, **_: Any) -> None:
-    status = getattr(response, "status_code", None) if response is not None else None
-    code = None
-    if status is not None and status >= 400:
-        try:
-            code = response.json()["error"]["code"]
-        except Exception:
-            code = "no_error_body"
-    COUNTS[
-        f"{name} {status if exception is None or status else type(exception).__name__} {code or ''}".strip()
-    ] += 1
+    COUNTS[count_key(name, response, exception)] += 1
 
 
 @events.quitting.add_listener
@@ -67,10 +63,13 @@ class Caller(HttpUser):
 
     def _post(self, path: str, name: str, **kwargs: Any) -> None:
         with self.client.post(path, name=name, catch_response=True, timeout=70, **kwargs) as response:
-            if response.status_code >= 500 and response.status_code not in (503, 504):
-                response.failure(f"untyped 5xx: {response.status_code}")
-            elif response.status_code >= 500 and not response.json().get("error", {}).get("retryable"):
-                response.failure("a 503/504 that is not retryable")
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            problem = failure(response.status_code, body)
+            if problem:
+                response.failure(problem)
             else:
                 response.success()
 
@@ -110,18 +109,12 @@ class Caller(HttpUser):
             catch_response=True,
             timeout=70,
         ) as response:
-            last = time.perf_counter()
-            chunks = 0
-            for line in response.iter_lines():
-                if not line:
-                    continue
-                now = time.perf_counter()
-                if chunks:
-                    GAPS["largest_gap_seconds"] = max(GAPS["largest_gap_seconds"], now - last)
-                last, chunks = now, chunks + 1
-                if chunks >= 6:  # the client leaves mid-stream
-                    break
-            response.success()
+            read = read_stream(response, max_chunks=6)  # the client leaves after 6 chunks
+            GAPS["largest_gap_seconds"] = max(GAPS["largest_gap_seconds"], read.largest_gap_seconds)
+            if read.failure:
+                response.failure(read.failure)
+            else:
+                response.success()
         GAPS["streams"] = GAPS.get("streams", 0.0) + 1
 
     @task(2)

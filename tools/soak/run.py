@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from tools.local_server import run_local_server
+from tools.soak.accounting import missing_codes
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -73,6 +74,9 @@ def main() -> int:
         for row in csv.DictReader(stats):
             name, count, p50, p95 = row["Name"], row["Request Count"], row["50%"], row["95%"]
             print(f"  {name:28s} n={count:>6s}  p50={p50:>6s}  p95={p95:>6s}")
+    missing = missing_codes(report["counts"])
+    if missing:
+        print(f"non-200 answers counted without a code (a finding): {', '.join(missing)}")
     print(f"\nlargest gap between a stream's chunks: {report.get('largest_gap_seconds', 0):.2f} s")
     after_first = [rss for t, rss in samples if t >= 60] or [rss for _, rss in samples]
     if after_first:

@@ -14,6 +14,7 @@ of decider.schemas.decision have these fields, and the engine never imports them
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -31,6 +32,7 @@ from decider.engine.readout import (
     logsumexp,
     option_orders,
 )
+from decider.engine.request_size import QuestionText, TextBytes, TokenBudget, too_large
 from decider.errors import RequestError
 from decider.settings import QuestionType, Settings
 
@@ -131,6 +133,7 @@ class DecisionPlan:
     mode: Mode
     head_tokens: int
     batch: bool = False
+    planned_tokens: int = 0  # tokens planning tokenized and holds (decider.engine.request_size)
 
     @property
     def cost_tokens(self) -> int:
@@ -211,16 +214,14 @@ class DecisionPlanner:
     # --- planning ----------------------------------------------------------------------------------
     def plan(self, request: DecisionRequest) -> DecisionPlan:
         mode = self._mode(request)
-        state = self._state_plan(0, request.state, request, mode, param="state")
-        return DecisionPlan(request, [state], mode, len(self.builder.head_tokens))
+        states, planned = self._plan_states(request, [request.state], mode, batch=False)
+        return DecisionPlan(request, states, mode, len(self.builder.head_tokens), planned_tokens=planned)
 
     def plan_batch(self, request: BatchDecisionRequest) -> DecisionPlan:
         mode = self._mode(request)
-        states = [
-            self._state_plan(i, state, request, mode, param=f"states.{i}")
-            for i, state in enumerate(request.states)
-        ]
-        return DecisionPlan(request, states, mode, len(self.builder.head_tokens), batch=True)
+        states, planned = self._plan_states(request, list(request.states), mode, batch=True)
+        head = len(self.builder.head_tokens)
+        return DecisionPlan(request, states, mode, head, batch=True, planned_tokens=planned)
 
     def _mode(self, request: DecisionOptions) -> Mode:
         self._check_limits(request)
@@ -249,11 +250,32 @@ class DecisionPlanner:
                     param=f"questions.{question.key}.criteria",
                 )
 
-    def _state_plan(
-        self, index: int, state: Any, request: DecisionOptions, mode: Mode, *, param: str
-    ) -> StatePlan:
-        fmt = self.builder.format
-        shown_for = {
+    def _plan_states(
+        self, request: DecisionOptions, states: list[Any], mode: Mode, *, batch: bool
+    ) -> tuple[list[StatePlan], int]:
+        """Every limit a byte bound can tell first, for every state, before a tokenizer call; then
+        each state tokenized, the planned tokens counted as they come (decider.engine.request_size).
+        Returns the states' plans and the tokens planned."""
+        params = [f"states.{i}" for i in range(len(states))] if batch else ["state"]
+        state_jsons = [json.dumps(state, ensure_ascii=False) for state in states]
+        shown_for = self._shown_for(request)
+        text = self._text_bytes(request, state_jsons, shown_for)
+        for state_json, state_bytes, param in zip(state_jsons, text.states, params, strict=True):
+            self._check_state_bytes(state_json, param)
+            self._check_prompt_bytes(state_bytes, text, shown_for, param=param if batch else None)
+        self._check_request_bytes(text, state_param="states" if batch else "state")
+        budget = TokenBudget(self.settings.request_token_limit, self.settings.env_name("max_request_tokens"))
+        plans = [
+            self._state_plan(i, state_json, request, mode, shown_for, budget, param=param)
+            for i, (state_json, param) in enumerate(zip(state_jsons, params, strict=True))
+        ]
+        return plans, budget.used
+
+    def _shown_for(
+        self, request: DecisionOptions
+    ) -> dict[str, list[tuple[tuple[int, ...], Sequence[Label]]]]:
+        """Each question's option orders and the labels they are shown with (the same on every state)."""
+        return {
             question.key: [
                 (order, self.labels.for_count(len(question.options)))
                 for order in self._orders(question, request)
@@ -261,24 +283,101 @@ class DecisionPlanner:
             for question in request.questions
         }
 
-        def shown(
-            question: Question, order: tuple[int, ...], labels: Sequence[Label]
-        ) -> list[tuple[str, Any]]:
-            return [
-                (labels[slot].text, self._description(question, index_, fmt))
-                for slot, index_ in enumerate(order)
-            ]
+    def _shown(
+        self, question: Question, order: tuple[int, ...], labels: Sequence[Label]
+    ) -> list[tuple[str, Any]]:
+        fmt = self.builder.format
+        return [
+            (labels[slot].text, self._description(question, index, fmt)) for slot, index in enumerate(order)
+        ]
 
+    def _text_bytes(
+        self, request: DecisionOptions, state_jsons: Sequence[str], shown_for: dict[str, Any]
+    ) -> TextBytes:
+        """The bytes planning will tokenize, from one tail per question (every order of it is as long)."""
+        fmt = self.builder.format
+        questions = tuple(
+            QuestionText(
+                question.key,
+                len(shown_for[question.key]),
+                len(
+                    fmt.tail_segment(
+                        question.instructions, self._shown(question, *shown_for[question.key][0])
+                    ).encode()
+                )
+                if shown_for[question.key]
+                else 0,
+            )
+            for question in request.questions
+        )
+        states = tuple(len(fmt.state_segment(state_json).encode()) for state_json in state_jsons)
+        return TextBytes(states, questions)
+
+    def text_bytes(self, request: DecisionRequest | BatchDecisionRequest) -> TextBytes:
+        """What `plan` would tokenize, in bytes, with no tokenizer call (tests, audits)."""
+        states = list(request.states) if hasattr(request, "states") else [request.state]  # type: ignore[union-attr]
+        state_jsons = [json.dumps(state, ensure_ascii=False) for state in states]
+        return self._text_bytes(request, state_jsons, self._shown_for(request))
+
+    @property
+    def tokens_per_text(self) -> int:
+        """Tokens a tokenized text may hold beyond one per byte: the template's own after a tail, and one
+        (SPM's space prefix); `TextBytes.most_tokens` takes it."""
+        return len(self.builder.tail_template_tokens) + 1
+
+    def _check_prompt_bytes(
+        self, state_bytes: int, text: TextBytes, shown_for: dict[str, Any], *, param: str | None
+    ) -> None:
+        """Refuse a question whose prompt cannot fit the context before tokenizing it: its state's
+        segment and its tail are at least their bytes / the longest piece in tokens, together (they
+        are one text where the cut is not canonical)."""
+        for question in text.questions:
+            if not question.orders:
+                continue
+            _, labels = shown_for[question.key][0]
+            depth = max(len(label.tokens) for label in labels)
+            size = state_bytes + question.tail_bytes
+            floor = math.ceil(size / self.max_token_bytes)
+            if floor + depth > self.room:
+                raise RequestError(
+                    f"The prompt for question {question.key!r} is at least {floor} tokens ({size} bytes); "
+                    f"the context holds {self.n_ctx} ({self.settings.env_name('n_ctx')}). "
+                    "It is never truncated.",
+                    code="context_length_exceeded",
+                    param=param or f"questions.{question.key}",
+                )
+
+    def _check_request_bytes(self, text: TextBytes, *, state_param: str) -> None:
+        """Refuse, before tokenizing, a request whose planned tokens are over the limit even at the
+        fewest tokens its bytes can make (decider.engine.request_size)."""
+        states, questions = text.least_tokens(self.max_token_bytes)
+        limit = self.settings.request_token_limit
+        if states + questions > limit:
+            param = "questions" if questions >= states else state_param
+            raise too_large(
+                states + questions, limit, self.settings.env_name("max_request_tokens"), param, least=True
+            )
+
+    def _state_plan(
+        self,
+        index: int,
+        state_json: str,
+        request: DecisionOptions,
+        mode: Mode,
+        shown_for: dict[str, list[tuple[tuple[int, ...], Sequence[Label]]]],
+        budget: TokenBudget,
+        *,
+        param: str,
+    ) -> StatePlan:
+        fmt = self.builder.format
         probe = next(
             (
-                fmt.tail_segment(q.instructions, shown(q, *shown_for[q.key][0]))
+                fmt.tail_segment(q.instructions, self._shown(q, *shown_for[q.key][0]))
                 for q in request.questions
                 if shown_for[q.key]
             ),
             None,
         )
-        state_json = json.dumps(state, ensure_ascii=False)
-        self._check_state_bytes(state_json, param)
         prompt = self.builder.for_state(state_json, probe or "")
         if len(prompt.tokens) > self.settings.max_state_tokens:
             raise RequestError(
@@ -287,18 +386,33 @@ class DecisionPlanner:
                 code="context_length_exceeded",
                 param=param,
             )
+        budget.take(len(prompt.tokens), param)
+        head = len(self.builder.head_tokens)
+        before = len(prompt.tokens) if prompt.canonical else 0  # tokens ahead of each tail, after the head
         items: list[Item] = []
         for question in request.questions:
-            for order, labels in shown_for[question.key]:
-                options = shown(question, order, labels)
+            for n, (order, labels) in enumerate(shown_for[question.key]):
+                options = self._shown(question, order, labels)
+                tokens = self.builder.tail(prompt, question.instructions, options)
+                depth = max(len(label.tokens) for label in labels)
+                if before + len(tokens) + depth > self.room:  # checked as each is tokenized
+                    raise RequestError(
+                        f"The prompt for question {question.key!r} is {head + before + len(tokens)} tokens; "
+                        f"the context holds {self.n_ctx} ({self.settings.env_name('n_ctx')}). "
+                        "It is never truncated.",
+                        code="context_length_exceeded",
+                        param=f"questions.{question.key}" if not param.startswith("states") else param,
+                    )
+                budget.take(len(tokens), "questions")
                 item = Item(
                     question=question,
                     order=order,
                     labels=tuple(labels),
                     trie=LabelTrie.of(labels),
-                    tokens=self.builder.tail(prompt, question.instructions, options),
+                    tokens=tokens,
+                    # only the first order's text is hashed (prompt_sha256): the others are not kept
                     text=self.builder.text(prompt, question.instructions, options)
-                    if request.extensions
+                    if request.extensions and n == 0
                     else None,
                 )
                 items.append(item)
@@ -311,17 +425,6 @@ class DecisionPlanner:
             prefix += items[0].tokens[:cut]
             for item in items:
                 item.tokens = item.tokens[cut:]
-        head = len(self.builder.head_tokens)
-        for item in items:
-            depth = max(len(label.tokens) for label in item.labels)
-            needed = head + len(prefix) + len(item.tokens) + depth
-            if needed - head > self.room:
-                raise RequestError(
-                    f"The prompt for question {item.question.key!r} is {needed - depth} tokens; the context "
-                    f"holds {self.n_ctx} ({self.settings.env_name('n_ctx')}). It is never truncated.",
-                    code="context_length_exceeded",
-                    param=f"questions.{item.question.key}" if not param.startswith("states") else param,
-                )
         return StatePlan(index=index, prompt=prompt, prefix=prefix, items=items)
 
     def _orders(self, question: Question, request: DecisionOptions) -> list[tuple[int, ...]]:

@@ -13,6 +13,7 @@ its `DecisionOutcome`: the engine never builds wire responses (decider.server.an
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -237,10 +238,26 @@ class DecisionEngine:
         return self._local.submit(job, work).result()
 
     # --- chat ----------------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat prompt tokens; a conversation the model's template refuses is a 422, not a 500."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], *, max_prompt_tokens: int | None = None
+    ) -> list[int]:
+        """Chat prompt tokens; a conversation the model's template refuses is a 422, not a 500.
+        With `max_prompt_tokens`, a prompt whose message contents alone make more tokens than that
+        by their bytes (no token is longer than the vocabulary's longest piece) is refused before
+        anything is tokenized."""
+
+        def check(text_bytes: int) -> None:
+            floor = math.ceil(text_bytes / self.planner.max_token_bytes)
+            if max_prompt_tokens is not None and floor > max_prompt_tokens:
+                raise RequestError(
+                    f"The prompt is at least {floor} tokens ({text_bytes} bytes); the context holds "
+                    f"{self.planner.room} for chat ({self.settings.env_name('n_ctx')}).",
+                    code="context_length_exceeded",
+                    param="messages",
+                )
+
         try:
-            return generation.chat_tokens(self._template, self._rt, self._caller.tokenize, messages)
+            return generation.chat_tokens(self._template, self._rt, self._caller.tokenize, messages, check)
         except TemplateUnusableError as exc:
             raise RequestError(
                 f"The model's chat template rejects these messages: {exc}",
@@ -260,7 +277,7 @@ class DecisionEngine:
         seed: int | None = None,
     ) -> ChatPlan:
         """Tokenize a chat; `max_tokens` None: up to what the context has left, at most `max_tokens_cap`."""
-        prompt = self.render_chat(messages)
+        prompt = self.render_chat(messages, max_prompt_tokens=self.planner.room - (max_tokens or 1))
         room = self.planner.room - len(prompt)  # the cached decision head and the pad stay
         if max_tokens is None:
             max_tokens = max(1, min(max_tokens_cap, room))

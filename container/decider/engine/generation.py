@@ -62,6 +62,7 @@ def chat_tokens(
     runtime: LlamaRuntime,
     caller_tokens: Callable[[str], list[int]],
     messages: Sequence[dict[str, Any]],
+    before_tokenizing: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Prompt tokens for a chat: the template's own text parses special tokens, message contents never.
 
@@ -71,6 +72,8 @@ def chat_tokens(
     messages, and Mistral-style ones move the system text into the last user turn). A template that
     alters a content (so that its sentinel no longer appears intact) cannot place it safely:
     `TemplateUnusableError`, which the engine answers with 422 `invalid_messages`.
+    `before_tokenizing`, if given, gets the bytes of the contents as printed (plain text, each token
+    at most the vocabulary's longest piece) before anything is tokenized.
     """
     contents = [_content_text(message.get("content")) for message in messages]
     rendered_messages = [
@@ -78,6 +81,9 @@ def chat_tokens(
         for i, message in enumerate(messages)
     ]
     text = template.render(rendered_messages, add_generation_prompt=True)
+    if before_tokenizing is not None:  # the caller text about to be tokenized, for a bound that can tell
+        printed = [contents[int(match.group(1))] for match in _MESSAGE_SENTINELS.finditer(text)]
+        before_tokenizing(sum(len(content.encode("utf-8", errors="replace")) for content in printed))
     tokens: list[int] = []
     last = 0
     for match in _MESSAGE_SENTINELS.finditer(text):

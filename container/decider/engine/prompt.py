@@ -298,6 +298,11 @@ class PromptBuilder:
     def version(self) -> str:
         return self.format.version
 
+    @property
+    def tail_template_tokens(self) -> list[int]:
+        """The template's own tokens after the user message, at the end of every question's tail."""
+        return self._tail
+
     def for_state(self, state_json: str, probe_tail: str) -> StatePrompt:
         """Tokenize the serialized state once; check the cut against `probe_tail` (one question)."""
         segment = self.format.state_segment(state_json)

@@ -131,6 +131,21 @@ ERROR_STATUSES = {
 }
 
 
+# OpenAPI 3.1 has a `text/event-stream` schema describe each event (3.2 adds `itemSchema` for that).
+SSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event: `data` is a `chat.completion.chunk` (JSON), an `ErrorBody` for an "
+    "error after the first chunk, or `[DONE]`, the last event.",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+
+
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -149,7 +164,7 @@ def _errors(*statuses: str) -> dict[str, Any]:
 def _post(summary: str, body: dict[str, Any], ok: dict[str, Any], *, stream: bool = False) -> dict[str, Any]:
     content = _json(ok)
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["text/event-stream"] = {"schema": SSE_EVENT}
     return {
         "post": {
             "summary": summary,

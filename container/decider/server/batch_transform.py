@@ -7,6 +7,9 @@ OpenAI decision or a `/v1/systemone/batch` body). The answer has one line per in
 same order: the route's response, or the usual error body for that record alone. The invocation
 itself answers 200 unless the payload as a whole cannot be read (too large, bad encoding): Batch
 Transform fails the whole job on a failed invocation, so one malformed ticket must never do that.
+The payload is read, and each record parsed and planned, in the server's intake
+(decider.server.intake): on its low-priority threads, within `DECIDER_PARSE_CONCURRENCY` places
+shared with every other request.
 
 `SAGEMAKER_BATCH=true` (set by the service) makes the deadline of every request the job's
 invocation timeout, less a margin to answer in: `DECIDER_BATCH_INVOCATION_TIMEOUT_SECONDS`, which
@@ -189,14 +192,6 @@ class _Invocation:
             raise RequestError(
                 f"line {index + 1} is empty; send one JSON request per line", code="empty_record"
             )
-        body = await asyncio.to_thread(parse_json, record)
-        target = _record_target(body)
-        if target not in {"decision", "batch", "openai_decision"}:
-            raise RequestError(
-                "a Batch Transform record must be a decision request (`/v1/systemone`, "
-                "`/v1/systemone/batch` or `/v1/decisions`); chat is not served in bulk",
-                code="unsupported_record",
-            )
         engine = self.runtime.require_engine()
         limits = {
             "max_questions": self.settings.max_questions,
@@ -205,8 +200,16 @@ class _Invocation:
         }
         translated: Any = None
 
-        def prepare() -> Any:
+        def prepare() -> Any:  # on an intake thread, in an intake place, like any request body
             nonlocal translated
+            body = parse_json(record)
+            target = _record_target(body)
+            if target not in {"decision", "batch", "openai_decision"}:
+                raise RequestError(
+                    "a Batch Transform record must be a decision request (`/v1/systemone`, "
+                    "`/v1/systemone/batch` or `/v1/decisions`); chat is not served in bulk",
+                    code="unsupported_record",
+                )
             if target == "batch":
                 parsed = parse_batch_request(body, max_states=self.settings.max_batch_states, **limits)
                 return engine.plan_batch(parsed)
@@ -218,7 +221,8 @@ class _Invocation:
                     raise translated.relocate(exc) from None
             return engine.plan_decision(parse_decision_request(body, **limits))
 
-        plan = await asyncio.to_thread(prepare)
+        async with self.runtime.intake.slot(refuse=False):
+            plan = await self.runtime.intake.run(prepare)
         outcome = await self._run(f"{self.request_id}-{index}", plan, engine)
         response = await asyncio.to_thread(decision_response, outcome)  # off the engine thread
         self.runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
@@ -261,8 +265,10 @@ async def handle_jsonlines(runtime: Any, request: Request) -> Response:
     settings: Settings = runtime.settings
     runtime.require_engine()  # not ready (loading, stopping): 503 for the whole invocation, which is retried
     limit = payload_limit(settings)
-    raw = await read_body(request, limit)
-    data = await asyncio.to_thread(decode_content, raw, request.headers.get("content-encoding"), limit)
+    encoding = request.headers.get("content-encoding")
+    async with runtime.intake.slot(refuse=False):  # the payload is read and decoded in an intake place
+        raw = await read_body(request, limit)
+        data = await runtime.intake.run(lambda: decode_content(raw, encoding, limit))
     records = split_records(data)
     invocation = _Invocation(runtime, request.state.request_id, getattr(request.state, "arrived_at", None))
     slots = asyncio.Semaphore(records_in_flight(settings))

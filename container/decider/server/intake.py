@@ -11,6 +11,8 @@ So:
   intake and `DECIDER_QUEUE_SIZE` more waiting for a place (waiting costs no memory: the body is unread);
 - at most `DECIDER_PARSE_CONCURRENCY` requests are between the first byte of their body and the end of
   their planning at once; the others wait before reading (TCP holds their bytes, not this process);
+- Batch Transform's JSON Lines take the same places: the payload while it is read, then each record
+  from its parse to the end of its planning (they wait for a place instead of being refused);
 - parsing and planning run on this module's own threads, at `PARSE_NICENESS` below the HTTP loop
   and below the engine thread (`decider.engine.scheduler.ENGINE_NICENESS`): the model's work gets
   the cores first, and the event loop (`/ping`) before either.
@@ -52,21 +54,25 @@ class Intake:
         )
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[Callable[[], None]]:
+    async def slot(self, *, refuse: bool = True) -> AsyncIterator[Callable[[], None]]:
         """A place in intake, for reading the body up to the end of planning; yields `release`,
-        which the handler calls once its work is planned (the slot is released on exit anyway)."""
-        if self._slots.locked() and self._waiting >= self.max_waiting:
+        which the handler calls once its work is planned (the slot is released on exit anyway).
+
+        `refuse=False` waits however many wait, uncounted: Batch Transform's payloads and records,
+        whose bytes are already bounded by the invocation (decider.server.batch_transform)."""
+        if refuse and self._slots.locked() and self._waiting >= self.max_waiting:
             raise OverloadedError(
                 f"{self.concurrency} request bodies are being parsed (DECIDER_PARSE_CONCURRENCY) and "
                 f"{self._waiting} more wait for their turn (DECIDER_QUEUE_SIZE); retry shortly",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        self._waiting += 1
+        waiting = 1 if refuse else 0
+        self._waiting += waiting
         try:
             await self._slots.acquire()
         finally:
-            self._waiting -= 1
+            self._waiting -= waiting
         released = False
 
         def release() -> None:
