@@ -14,10 +14,10 @@ import uuid
 from typing import Any
 
 import pytest
+from decider.engine.chat import ChatPlan, ChatWork
 from decider.engine.labels import build_label_table
 from decider.engine.native import KvCacheFullError, NativeError, Row
 from decider.engine.scheduler import Job, Scheduler
-from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import (
     DeadlineExceededError,
     DeciderError,

@@ -1,6 +1,6 @@
 """Chat generation pieces: prompt tokens from the template, the sampler chain, stop strings.
 
-The generation loop itself is `decider.engine.work.ChatWork`, one token per scheduler step. Text
+The generation loop itself is `decider.engine.chat.ChatWork`, one token per scheduler step. Text
 deltas are produced with an incremental UTF-8 decoder (a character may be split over tokens) and
 held back while they could still be the start of a stop string, so a stop string that spans
 tokens is found and never emitted.
@@ -26,6 +26,7 @@ FinishReason = Literal["stop", "length", "cancelled"]
 class GenerationUsage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens copied from a kept turn instead of decoded
 
     @property
     def total_tokens(self) -> int:
@@ -62,6 +63,8 @@ def chat_tokens(
     runtime: LlamaRuntime,
     caller_tokens: Callable[[str], list[int]],
     messages: Sequence[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Prompt tokens for a chat: the template's own text parses special tokens, message contents never.
 
@@ -77,7 +80,7 @@ def chat_tokens(
         {"role": str(message.get("role", "user")), "content": _MESSAGE_SENTINEL.format(i)}
         for i, message in enumerate(messages)
     ]
-    text = template.render(rendered_messages, add_generation_prompt=True)
+    text = template.render(rendered_messages, add_generation_prompt=add_generation_prompt)
     tokens: list[int] = []
     last = 0
     for match in _MESSAGE_SENTINELS.finditer(text):
