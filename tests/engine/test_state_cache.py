@@ -190,7 +190,21 @@ def test_admission_peeks_at_what_was_published() -> None:
         entry.pins for entry in cache._entries.values()
     )
     cache.evict_one()
-    assert cache.peek([*state, 1], boundary=40) == 0 and cache._published == tuple(cache._entries)
+    assert cache.peek([*state, 1], boundary=40) == 0 and [key for key, _ in cache._published] == [
+        (CHAT, tuple(turn))
+    ]
+
+
+def test_a_chat_turn_serves_only_a_prompt_that_continues_it() -> None:
+    """A kept turn's prompt must be covered whole (a prompt sharing only a system prompt with it, or
+    the same prompt again, is prefilled whole); the answer after it as far as it agrees."""
+    cache, _pool, _memory = kept(partial=True)
+    prompt, answer = list(range(100, 130)), [7, 8, 9, 10]
+    assert cache.adopt([*prompt, *answer], 5, prompt_tokens=len(prompt))
+    assert cache.lookup([*prompt[:20], 1, 2, 3], boundary=None, kind=CHAT) is None  # 20 shared, not 30
+    assert cache.lookup(prompt, boundary=None, kind=CHAT) is None  # the same request again
+    assert cache.lookup([*prompt, 7, 8, 1, 2], boundary=None, kind=CHAT).length == 32
+    assert cache.peek([*prompt, 7, 8, 1, 2], boundary=None, kind=CHAT) == 32
 
 
 # --- on the models ------------------------------------------------------------------------------------

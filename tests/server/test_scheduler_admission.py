@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -201,54 +202,39 @@ def test_idle_server_tries_a_request_near_the_deadline_and_refuses_only_the_hope
     scheduler.close()
 
 
-def _kept_scheduler(engine: FakeEngine) -> Scheduler:
-    """A scheduler that keeps states and chat turns (exact hits: the fake is not attention-only),
-    its cost model fitted on decisions of four sizes (distinct states: each a miss)."""
+def test_admission_counts_only_what_kept_states_and_chat_turns_leave_to_decode() -> None:
+    """A decision on a kept state decodes its questions' tails only, and a chat's next turn only what
+    follows the kept turn: admission's estimates (a peek at the cache) say so, within 0.8-1.25 of
+    what they take; they used to count the whole prompt. The fake takes exact hits only."""
+    engine = FakeEngine(decode_seconds=0.002, token_seconds=0.001)
     scheduler = Scheduler(
         queue_size=8, deadline_seconds=60, metrics=ServerMetrics(), cache_budget=CacheBudget(20_000, 8, 0)
     )
     scheduler.submit_unscheduled(lambda: scheduler.attach(engine.runtime, engine.head_tokens)).result(5)
-    for size in (50, 400, 900, 120):
+    for size in (50, 300, 600, 120):  # distinct states: each a miss
         _timed(scheduler, _work(engine, size))
-    return scheduler
 
+    def miss_then_hit(kind: str, miss: Any, hit: Any, cached: Callable[[Any], int]) -> None:
+        first = scheduler.enqueue(kind, "miss", miss)
+        assert cached(first.future.result(30)) == 0  # type: ignore[union-attr]
+        started = time.monotonic()
+        again = scheduler.enqueue(kind, "hit", hit)
+        assert cached(again.future.result(30)) >= 1500  # type: ignore[union-attr]
+        measured = time.monotonic() - started
+        assert first.estimate is not None and again.estimate is not None
+        assert again.estimate < 0.25 * first.estimate
+        assert 0.8 <= again.estimate / measured <= 1.25, (kind, again.estimate, measured)
 
-def test_admission_counts_only_what_a_kept_state_leaves_to_decode() -> None:
-    """A decision on a kept state decodes its questions' tails only: admission's estimate (a peek at
-    the cache) says so, within 0.8-1.25 of what it takes; it used to count the whole state."""
-    engine = FakeEngine(decode_seconds=0.002, token_seconds=0.001)
-    scheduler = _kept_scheduler(engine)
-    state = "y" * 3000
+    state = "y" * 1500
     other = {"urgent": {"type": "noul", "instructions": "Is it urgent, or can it wait until tomorrow?"}}
-    first = scheduler.enqueue("decision", "miss", _work_on(engine, state, QUESTIONS))
-    assert first.future.result(30).answers  # type: ignore[union-attr]
-    started = time.monotonic()
-    hit = scheduler.enqueue("decision", "hit", _work_on(engine, state, other))
-    assert hit.future.result(30).extensions["cached_tokens"] > 3000  # type: ignore[union-attr]
-    measured = time.monotonic() - started
-    assert first.estimate is not None and hit.estimate is not None
-    assert hit.estimate < 0.2 * first.estimate
-    assert 0.8 <= hit.estimate / measured <= 1.25, (hit.estimate, measured)
-    scheduler.close()
-
-
-def test_admission_counts_only_what_a_kept_chat_turn_leaves_to_decode() -> None:
-    """The next turn of a conversation copies the kept turn and prefills the rest: its estimate
-    counts the rest (3,000 prompt tokens kept, 300 new)."""
-    engine = FakeEngine(decode_seconds=0.002, token_seconds=0.001)
-    scheduler = _kept_scheduler(engine)
-    earlier = list(range(1000, 4000))
-    turn = ChatPlan(prompt=[*earlier, 7, 7, 7], max_tokens=1, boundary=len(earlier))
-    first = scheduler.enqueue("chat", "turn1", ChatWork(turn))
-    assert first.future.result(30)[2].cached_tokens == 0  # type: ignore[union-attr]
-    started = time.monotonic()
-    grown = [*earlier, *range(5000, 5300)]
-    hit = scheduler.enqueue("chat", "turn2", ChatWork(ChatPlan(grown, max_tokens=1, boundary=len(grown) - 3)))
-    assert hit.future.result(30)[2].cached_tokens == len(earlier)  # type: ignore[union-attr]
-    measured = time.monotonic() - started
-    assert first.estimate is not None and hit.estimate is not None
-    assert hit.estimate < 0.2 * first.estimate
-    assert 0.8 <= hit.estimate / measured <= 1.25, (hit.estimate, measured)
+    decisions = (_work_on(engine, state, QUESTIONS), _work_on(engine, state, other))
+    miss_then_hit("decision", *decisions, lambda response: response.extensions["cached_tokens"])
+    earlier = list(range(1000, 2500))
+    turns = (
+        ChatWork(ChatPlan([*earlier, 7, 7, 7], max_tokens=1, boundary=len(earlier))),
+        ChatWork(ChatPlan([*earlier, *range(5000, 5200)], max_tokens=1, boundary=len(earlier) + 197)),
+    )
+    miss_then_hit("chat", *turns, lambda outcome: outcome[2].cached_tokens)
     scheduler.close()
 
 

@@ -19,9 +19,11 @@ prompt starts with what the previous turn decoded:
   there), so the end of the whole prompt would often not be a prefix of the next one; the end of
   the messages is, for every template that renders earlier messages the same way whatever follows.
   The prefill stops there once and the cache keeps a copy. The previous answer is decoded again.
-A conversation keeps one entry, its latest turn's: the turn a chat continued (it reused that turn's
-whole prompt) gives way to the chat's own. The sampler (grammar, seed) is the request's own: only
-the KV cells are reused.
+A kept turn serves only a prompt that continues it (one that covers its whole prompt): a first
+turn, or the same request sent again, is prefilled whole as it was the first time, and gives the
+same answer again. A conversation keeps one entry, its latest turn's: the turn a chat continued
+gives way to the chat's own. The sampler (grammar, seed) is the request's own: only the KV cells
+are reused.
 """
 
 from __future__ import annotations
@@ -419,13 +421,11 @@ class ChatWork:
     def _keep_turn(self) -> None:
         """Ended by itself: keep this turn. On models that allow partial hits the cache takes this
         very sequence (prompt and generated tokens); on the others the boundary copy was kept during
-        the prefill. The turn it continued (it reused that turn's whole prompt, not only a system
-        prompt every conversation shares) gives way."""
-        kept, entry = self._kept(), self._entry
+        the prefill. The turn it continued (the entry it copied) gives way."""
+        kept, continued = self._kept(), self._entry
         if kept is None:
             return
         self._unpin()
-        continued = entry if entry is not None and self.cached >= entry.prompt_tokens else None
         if kept.partial and self._seq is not None:
             tokens = [*self.plan.prompt, *self._fed]
             if kept.adopt(tokens, self._seq, prompt_tokens=len(self.plan.prompt), replaces=continued):

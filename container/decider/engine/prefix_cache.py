@@ -28,11 +28,12 @@ Two kinds of hits:
 Chat turns share the same entries, budget and least-recently-used order (kind `chat`; their tokens
 start at position 0, a state's after the head). On models that allow partial hits, a chat that ends
 by itself (a stop, or its max_tokens) hands its own sequence to the cache (its prompt and the tokens
-it generated, nothing copied), replacing the entry it started from; the next turn of the
-conversation takes the longest common prefix, as far as the template re-renders the answer as the
-tokens generated. On exact-only models a chat's entry is the conversation before the generation
-prompt (`ChatPlan.boundary`): the prefill stops there once and a copy is kept, and the next turn,
-which renders the same messages and then more, starts with it (decider.engine.chat).
+it generated, nothing copied), replacing the entry it continued; the next turn of the conversation
+takes the longest common prefix, as far as the template re-renders the answer as the tokens
+generated. On exact-only models a chat's entry is the conversation before the generation prompt
+(`ChatPlan.boundary`): the prefill stops there once and a copy is kept, and the next turn, which
+renders the same messages and then more, starts with it (decider.engine.chat). A kept turn serves
+only a prompt that continues it (`best_hit`).
 
 Exact repeats (`RepeatCache`). The raw label readouts (logits, log-normalizers) of one prompt, keyed
 by a digest of the model, the prompt version, the whole prompt's tokens, the label tokens and the
@@ -55,6 +56,7 @@ MIN_PARTIAL_HIT = 16  # a shorter common prefix saves less than the copy and the
 STATE = "state"  # a decision state: its tokens follow the prompt head
 CHAT = "chat"  # a chat turn: its tokens start at position 0
 Key = tuple[str, tuple[int, ...]]  # (kind, tokens)
+Candidate = tuple[Key, int]  # an entry's key and the fewest tokens a hit on it must cover
 
 
 class CacheMemory(Protocol):
@@ -108,14 +110,19 @@ class CachedState:
     pins: int = 0
     kind: str = STATE
     start: int = 0  # the position of tokens[0]
-    # A chat turn: how many of its tokens were its prompt (the rest it generated). A request that
-    # reuses all of them continues the conversation (not merely its system prompt): its own turn
-    # takes this one's place.
+    # A chat turn: how many of its tokens were its prompt (the rest it generated). Only a request
+    # that reuses all of them, one continuing the conversation, may copy it (`floor`).
     prompt_tokens: int = 0
 
     @property
     def key(self) -> Key:
         return (self.kind, self.tokens)
+
+    @property
+    def floor(self) -> int:
+        """The fewest tokens a hit on it must cover: a chat turn serves only a prompt that continues
+        it (its whole prompt, see `best_hit`); a state serves any hit."""
+        return self.prompt_tokens if self.kind == CHAT else 0
 
     @property
     def cells(self) -> int:
@@ -151,7 +158,7 @@ class StateCache:
         self.partial = partial
         self._metrics = metrics
         self._entries: OrderedDict[Key, CachedState] = OrderedDict()
-        self._published: tuple[Key, ...] = ()
+        self._published: tuple[Candidate, ...] = ()
 
     # --- what it holds ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -177,15 +184,18 @@ class StateCache:
     def _touch(self, entry: CachedState) -> None:
         self._entries.move_to_end(entry.key)
 
+    def _candidates(self) -> tuple[Candidate, ...]:
+        return tuple((entry.key, entry.floor) for entry in self._entries.values())
+
     def _publish(self) -> None:
-        """What `peek` reads (the event loop): the keys as they are now, least recently used first."""
-        self._published = tuple(self._entries)
+        """What `peek` reads (the event loop): the entries as they are now, least recently used first."""
+        self._published = self._candidates()
 
     # --- hits ------------------------------------------------------------------------------------
     def lookup(self, prefix: Sequence[int], boundary: int | None, *, kind: str = STATE) -> StateHit | None:
         """The entry of `kind` that covers the most of `prefix`, or None (the rules: `best_hit`).
         A state's prefix follows the head; a chat's is its whole prompt."""
-        found = best_hit(self._entries, kind, prefix, boundary, self.partial)
+        found = best_hit(self._candidates(), kind, prefix, boundary, self.partial)
         return StateHit(self._entries[found[0]], found[1]) if found is not None else None
 
     def peek(self, prefix: Sequence[int], boundary: int | None, *, kind: str = STATE) -> int:
@@ -288,21 +298,25 @@ class StateCache:
 
 
 def best_hit(
-    keys: Iterable[Key], kind: str, prefix: Sequence[int], boundary: int | None, partial: bool
+    candidates: Iterable[Candidate], kind: str, prefix: Sequence[int], boundary: int | None, partial: bool
 ) -> tuple[Key, int] | None:
-    """The key among `keys` whose entry serves the most of `prefix`, and how many tokens: the one
-    rule of `StateCache.lookup` and `StateCache.peek`.
+    """The key among `candidates` whose entry serves the most of `prefix`, and how many tokens: the
+    one rule of `StateCache.lookup` and `StateCache.peek`.
 
     - exact, a state: the entry is the request's prefix up to its own canonical `boundary`;
     - exact, a chat turn: the entry begins the prompt and leaves one token of it at least to decode
       (the first token is sampled from the prompt's last position);
     - partial (models that allow it): the longest common prefix with an entry, at least
       `MIN_PARTIAL_HIT` tokens, and one token of the prefix left to decode: the last position must
-      be computed again where the copy is cut.
+      be computed again where the copy is cut;
+    - a chat turn serves only a prompt that continues its conversation: one that covers its whole
+      prompt (`floor`). So a first turn, or the same request sent again, is prefilled whole, the
+      way it was the first time, and gives the same answer again; conversations that merely share
+      a system prompt do not share its cells.
     """
     wanted = tuple(prefix)
     best: tuple[Key, int] | None = None
-    for key in keys:
+    for key, floor in candidates:
         entry_kind, tokens = key
         if entry_kind != kind:
             continue
@@ -315,6 +329,8 @@ def best_hit(
         elif partial:
             common = min(_common_prefix(tokens, wanted), len(wanted) - 1)
             length = common if common >= MIN_PARTIAL_HIT else 0
+        if length < floor:
+            length = 0
         if length and (best is None or length > best[1]):
             best = (key, length)
     return best
