@@ -206,12 +206,12 @@ def test_admission_counts_only_what_kept_states_and_chat_turns_leave_to_decode()
     """A decision on a kept state decodes its questions' tails only, and a chat's next turn only what
     follows the kept turn: admission's estimates (a peek at the cache) say so, within 0.8-1.25 of
     what they take; they used to count the whole prompt. The fake takes exact hits only."""
-    engine = FakeEngine(decode_seconds=0.002, token_seconds=0.001)
+    engine = FakeEngine(decode_seconds=0.002, token_seconds=0.0006)
     scheduler = Scheduler(
         queue_size=8, deadline_seconds=60, metrics=ServerMetrics(), cache_budget=CacheBudget(20_000, 8, 0)
     )
     scheduler.submit_unscheduled(lambda: scheduler.attach(engine.runtime, engine.head_tokens)).result(5)
-    for size in (50, 300, 600, 120):  # distinct states: each a miss
+    for size in (50, 300, 600, 120):  # distinct states: each a miss (the cost model is fitted)
         _timed(scheduler, _work(engine, size))
 
     def miss_then_hit(kind: str, miss: Any, hit: Any, cached: Callable[[Any], int]) -> None:
