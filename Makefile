@@ -55,8 +55,9 @@ diff: setup
 bench-engine: setup
 	$(BIN)/python -m tools.bench.engine
 
+# ARGS="--levels multi_turn" (or repeat, hybrid, traffic) runs one level alone (tools/bench/server.py).
 bench-server: setup
-	$(BIN)/python -m tools.bench.server
+	$(BIN)/python -m tools.bench.server $(ARGS)
 
 # A ~3,000-token decision alone, then while 4 clients post ~4 MB bodies that must be refused:
 # slowdown, refusal statuses, peak RSS (tools/bench/bad_input.py; ARGS="--state-tokens 300" for a small run).

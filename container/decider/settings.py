@@ -146,9 +146,10 @@ class Settings(BaseSettings):
     state_cache_cells: int | None = Field(
         None,
         ge=0,
-        description="Cells that decision states kept across requests may hold (decider.engine.prefix_cache): "
-        "a request whose prompt starts with a kept state copies it and decodes only what follows. Kept "
-        "states are evicted, least recently used first, whenever running work needs their cells or "
+        description="Cells that decision states and chat turns kept across requests may hold, together "
+        "(decider.engine.prefix_cache): a request whose prompt starts with a kept state, or a chat whose "
+        "prompt starts with an earlier turn of its conversation, copies it and decodes only what follows. "
+        "Kept entries are evicted, least recently used first, whenever running work needs their cells or "
         "sequences, so they never make a request wait. 0 turns it off; it is off with batch_invariant "
         "(memory epochs). Default: a quarter of n_ctx.",
     )
@@ -156,7 +157,7 @@ class Settings(BaseSettings):
         8,
         ge=0,
         le=256,
-        description="Sequences kept decision states may hold (see state_cache_cells); 0: off.",
+        description="Sequences kept decision states and chat turns may hold (see state_cache_cells); 0: off.",
     )
     repeat_cache_entries: int = Field(
         4096,

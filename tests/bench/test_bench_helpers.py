@@ -25,13 +25,13 @@ from tools.bench.engine import Timed, last_line, many_options_body, options_run,
 from tools.bench.server import (
     Level,
     MixedResult,
+    MultiTurn,
     Outcome,
     Turn,
     concurrency_line,
     counter_delta,
     engine_counters,
     error_code,
-    multi_turn_line,
 )
 
 RESPONSE = {
@@ -294,8 +294,16 @@ def test_the_mixed_line_sets_decisions_beside_chats_against_decisions_alone():
 
 
 def test_the_multi_turn_line_sets_the_last_turn_s_first_token_against_the_first():
-    turns = [Turn(0.5, 37, "length"), Turn(0.6, 120, "length"), Turn(0.75, 200, "stop")]
-    assert multi_turn_line(turns) == (
-        "multi_turn=3 ttft_first=0.500 ttft_last=0.750 ttft_last_over_first=1.500 "
-        "prompt_tokens_first=37 prompt_tokens_last=200 turn_ends=length,length,stop"
+    """The median over conversations per turn, with kept turns and without the caches."""
+    kept = [
+        [Turn(0.5, 37, "length"), Turn(0.6, 120, "length", 90), Turn(0.75, 200, "stop", 150)],
+        [Turn(0.4, 37, "length"), Turn(0.5, 120, "length", 90), Turn(0.45, 200, "stop", 150)],
+        [Turn(0.6, 37, "length"), Turn(math.nan, 0, "500 internal_error"), Turn(0.5, 200, "stop", 150)],
+    ]
+    uncached = [[Turn(0.5, 37, "length"), Turn(0.9, 120, "length"), Turn(1.5, 200, "stop")]]
+    assert MultiTurn(kept, uncached).line() == (
+        "multi_turn=3 conversations=3 ttft_first=0.500 ttft_last=0.500 ttft_last_over_first=1.000 "
+        "uncached_ttft_last_over_first=3.000 prompt_tokens_first=37 prompt_tokens_last=200 "
+        "cached_tokens_first=0 cached_tokens_last=150 turn_ends=length,length,stop,length,length,stop,"
+        "length,500 internal_error,stop"
     )

@@ -25,6 +25,7 @@ import llama_cpp
 import numpy as np
 import pytest
 from decider.engine import DecisionEngine
+from decider.engine.chat import ChatWork
 from decider.engine.labels import READOUT_CHAIN, build_label_table
 from decider.engine.native import (
     ContextConfig,
@@ -34,7 +35,7 @@ from decider.engine.native import (
     OutputSpec,
     Row,
 )
-from decider.engine.work import ChatWork, DecisionWork
+from decider.engine.work import DecisionWork
 from decider.errors import StartupError, UnavailableError
 from decider.invariance import HEAD_SEQ, BatchPolicy
 from decider.schemas.decision import DecisionResponse, parse_batch_request, parse_decision_request

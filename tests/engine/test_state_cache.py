@@ -12,6 +12,7 @@ head and the kept states hold memory.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +20,10 @@ from typing import Any
 
 import llama_cpp
 import pytest
-from decider.engine import DecisionEngine
+from decider.engine import DecisionEngine, chat_options
+from decider.engine.generation import GenerationUsage
 from decider.engine.native import Row
-from decider.engine.prefix_cache import MIN_PARTIAL_HIT, RepeatCache, StateCache
+from decider.engine.prefix_cache import CHAT, MIN_PARTIAL_HIT, STATE, RepeatCache, StateCache
 from decider.engine.scheduler import NoMetrics
 from decider.engine.steps import SeqPool, Step, Unit
 from decider.invariance import HEAD_SEQ
@@ -98,9 +100,9 @@ def test_entries_are_evicted_least_recently_used_and_pinned_ones_never() -> None
     hit = cache.lookup([*a, 9], boundary=20)  # a is used again: b is now the oldest
     cache.take(hit, 1)
     assert cache.store(c, seq=5)
-    assert {entry for entry in cache._entries} == {tuple(a), tuple(c)}
+    assert {tokens for _, tokens in cache._entries} == {tuple(a), tuple(c)}
     cache.store(b, seq=5)  # a is pinned: c goes
-    assert {entry for entry in cache._entries} == {tuple(a), tuple(b)}
+    assert {tokens for _, tokens in cache._entries} == {tuple(a), tuple(b)}
     cache.unpin(hit.entry)
     assert cache.spare_seqs == 2 and cache.cells == 40
 
@@ -140,6 +142,70 @@ def test_repeats_are_bounded_least_recently_used() -> None:
     assert repeats.get(b"a") == {(): 1}
     repeats.put(b"c", {(): 3})
     assert repeats.get(b"b") is None and repeats.get(b"a") == {(): 1} and len(repeats) == 2
+
+
+def test_chat_turns_begin_the_prompt_and_leave_a_token_to_decode() -> None:
+    """Exact hits of a chat turn: any kept turn that begins the prompt, the longest, and never the
+    whole prompt (its last position must be decoded to sample the first token). States and chat turns
+    are apart: the same tokens kept as a state serve no chat."""
+    cache, _pool, memory = kept(partial=False)
+    turn = list(range(100, 140))
+    assert cache.store(turn[:20], seq=5, kind=CHAT) and cache.store(turn, seq=5, kind=CHAT)
+    assert cache.store(turn, seq=5)  # a state of the same tokens
+    hit = cache.lookup([*turn, 1, 2], boundary=None, kind=CHAT)
+    assert hit.entry.kind == CHAT and hit.length == 40
+    assert cache.lookup(turn, boundary=None, kind=CHAT).length == 20  # the whole prompt: the shorter
+    assert cache.lookup([*turn[:30], 9], boundary=None, kind=CHAT).length == 20  # no cut on this model
+    cache.take(hit, 3)
+    assert memory.ops[-1] == ("cp", hit.entry.seq, 3)  # copied whole: a chat's tokens start at 0
+
+
+def test_a_finished_turn_takes_the_place_of_the_turn_it_started_from() -> None:
+    cache, pool, memory = kept(partial=True)
+    first = list(range(100, 140))
+    cache.store(first, seq=5, kind=CHAT)
+    hit = cache.lookup([*first, 7, 7], boundary=None, kind=CHAT)
+    cache.take(hit, 2)
+    assert hit.length == 40 and hit.entry.pins == 1
+    cache.unpin(hit.entry)
+    # The finished chat's own sequence: its prompt (42 tokens) and one generated token.
+    assert cache.adopt([*first, 7, 7, 8], 2, prompt_tokens=42, replaces=hit.entry)
+    (entry,) = cache._entries.values()
+    assert entry.seq == 2 and entry.tokens == (*first, 7, 7, 8) and ("rm", hit.entry.seq) in memory.ops
+    assert cache.lookup([*first, 7, 7, 8, 9], boundary=None, kind=CHAT).length == 43
+    small = StateCache(memory, pool, head=10, max_cells=30, max_seqs=3, partial=True, metrics=NoMetrics())
+    assert not small.adopt(list(range(40)), 4, prompt_tokens=40)  # over the budget: the chat keeps it
+
+
+def test_admission_peeks_at_what_was_published() -> None:
+    """`peek` (the event loop) reads the keys published after the last change, never the live
+    dictionary: the same rule as a look-up, with no pin, no metric and no change of order."""
+    cache, _pool, _memory = kept(partial=True, max_seqs=2)
+    state, turn = list(range(40)), list(range(200, 260))
+    cache.store(state, seq=5)
+    cache.store(turn, seq=5, kind=CHAT)
+    assert cache.peek([*state, 1], boundary=40) == 40 and cache.peek([*state[:30], 5], boundary=None) == 30
+    assert cache.peek([*turn, 1], boundary=None, kind=CHAT) == 60
+    assert cache.peek([*turn, 1], boundary=None) == 0  # a chat turn is no state
+    assert [key[0] for key in cache._entries] == [STATE, CHAT] and not any(
+        entry.pins for entry in cache._entries.values()
+    )
+    cache.evict_one()
+    assert cache.peek([*state, 1], boundary=40) == 0 and [key for key, _ in cache._published] == [
+        (CHAT, tuple(turn))
+    ]
+
+
+def test_a_chat_turn_serves_only_a_prompt_that_continues_it() -> None:
+    """A kept turn's prompt must be covered whole (a prompt sharing only a system prompt with it, or
+    the same prompt again, is prefilled whole); the answer after it as far as it agrees."""
+    cache, _pool, _memory = kept(partial=True)
+    prompt, answer = list(range(100, 130)), [7, 8, 9, 10]
+    assert cache.adopt([*prompt, *answer], 5, prompt_tokens=len(prompt))
+    assert cache.lookup([*prompt[:20], 1, 2, 3], boundary=None, kind=CHAT) is None  # 20 shared, not 30
+    assert cache.lookup(prompt, boundary=None, kind=CHAT) is None  # the same request again
+    assert cache.lookup([*prompt, 7, 8, 1, 2], boundary=None, kind=CHAT).length == 32
+    assert cache.peek([*prompt, 7, 8, 1, 2], boundary=None, kind=CHAT) == 32
 
 
 # --- on the models ------------------------------------------------------------------------------------
@@ -249,7 +315,7 @@ def test_a_kept_state_is_copied_and_only_the_new_tokens_are_decoded(
         assert not engine.runtime.partial_reuse
         # The prefill stopped at the boundary, where the state was kept whole (never cut).
         plan = engine.plan_decision(parse_decision_request(first))
-        assert tuple(plan.states[0].prompt.tokens) in engine._local.loop.caches.states._entries
+        assert ("state", tuple(plan.states[0].prompt.tokens)) in engine._local.loop.caches.states._entries
     else:
         reference = decide(smollm2_uncached, again)
         assert_agree(distributions(hit), distributions(reference))
@@ -337,6 +403,11 @@ def test_kept_states_give_way_to_running_work(smollm2_path: Path) -> None:
         answered = decide(engine, large)  # so the oldest kept states go for it
         assert answered.answers.keys() == EXAMPLE["questions"].keys()
         assert any(len(entry.tokens) == state_tokens(engine, large) for entry in states._entries.values())
+        # Chat turns share the budget and the order: a kept chat turn that needs room in the budget
+        # evicts the least recently used kept state.
+        story = [{"role": "user", "content": uuid.uuid4().hex + " Tell me the story again." * 100}]
+        assert engine.generate(story, max_tokens=2)[1] in ("stop", "length")
+        assert [entry.kind for entry in states._entries.values()] == [CHAT] and states.cells <= 1500
         assert_released(engine)
 
 
@@ -348,7 +419,7 @@ def test_a_cancelled_request_unpins_the_state_it_copied(qwen35: DecisionEngine) 
     decide(qwen35, body)
     states = qwen35._local.loop.caches.states
     plan = qwen35.plan_decision(parse_decision_request(body))
-    entry = states._entries[tuple(plan.states[0].prompt.tokens)]
+    entry = states._entries[("state", tuple(plan.states[0].prompt.tokens))]
     runtime = qwen35.runtime
     real = runtime.decode
     seen: dict[str, Any] = {}
@@ -390,3 +461,113 @@ def test_batch_invariance_keeps_repeats_but_no_states(invariant_engine: Decision
     )
     other = decide(invariant_engine, {**body, "questions": OTHER_QUESTIONS})
     assert other.usage.cached_tokens == 0 and other.extensions["decodes"] > 0
+
+
+# --- chat turns ------------------------------------------------------------------------------------------
+def converse(
+    engine: DecisionEngine, questions: list[str], *, max_tokens: int = 6
+) -> tuple[list[GenerationUsage], list[dict[str, str]]]:
+    """One conversation, greedy: each turn carries the earlier questions and answers."""
+    messages: list[dict[str, str]] = []
+    usages = []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        text, _finish, usage = engine.generate(list(messages), max_tokens=max_tokens, temperature=0.0)
+        messages.append({"role": "assistant", "content": text})
+        usages.append(usage)
+    return usages, messages
+
+
+def opening() -> str:
+    return f"Ticket {uuid.uuid4().hex[:8]}: my order arrived broken."
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("cached", ["smollm2", "qwen35"], indirect=True)
+def test_the_next_chat_turn_copies_the_previous_turn(cached: DecisionEngine) -> None:
+    """Attention-only (SmolLM2): the previous turn's prompt and its answer as far as the template
+    renders it as generated. Hybrid (Qwen3.5): exactly the previous turn's messages, up to its
+    generation prompt. A conversation keeps one entry: its latest turn's."""
+    engine = cached
+    usages, messages = converse(engine, [opening(), "What should I do now?", "And if it happens again?"])
+    first = engine.chat_plan(messages[:1], max_tokens=6, max_tokens_cap=6)
+    if engine.runtime.partial_reuse:
+        assert first.boundary is None and usages[1].cached_tokens >= len(first.prompt)
+    else:
+        assert first.boundary is not None and usages[1].cached_tokens == first.boundary
+    assert usages[1].cached_tokens < usages[2].cached_tokens < usages[2].prompt_tokens
+    ours = tuple(first.prompt[: len(first.prompt) - 8])  # through the conversation's own first message
+    states = engine._local.loop.caches.states
+    turns = [e for e in states._entries.values() if e.kind == CHAT and e.tokens[: len(ours)] == ours]
+    assert len(turns) == 1 and len(turns[0].tokens) > usages[2].cached_tokens
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("cached", ["smollm2", "qwen35"], indirect=True)
+def test_a_cancelled_chat_unpins_the_turn_it_copied(cached: DecisionEngine) -> None:
+    """The caller goes away during the decode that follows the copy of a kept turn: the chat's
+    sequence goes, the turn is unpinned (and still kept), and it serves the next request."""
+    engine = cached
+    _usages, messages = converse(engine, [opening()])
+    messages.append({"role": "user", "content": "What should I do now?"})
+    plan = engine.chat_plan(messages, max_tokens=4, max_tokens_cap=4, temperature=0.0)
+    entry = engine._local.loop.caches.states.lookup(plan.prompt, plan.boundary, kind=CHAT).entry
+    runtime, real, seen = engine.runtime, engine.runtime.decode, {}
+
+    def cancel_then_decode(rows: list[Row], **kwargs: Any) -> None:
+        if "pins" not in seen:
+            seen["pins"] = entry.pins
+            seen["job"].cancel()  # the abort callback stops this very decode
+        real(rows, **kwargs)
+
+    seen["job"] = engine._local.admit("chat", uuid.uuid4().hex)
+    runtime.decode = cancel_then_decode  # type: ignore[method-assign]
+    try:
+        future = engine._local.submit(seen["job"], engine.chat_work(plan))
+        assert type(future.exception(30)).__name__ == "ClientGoneError"
+    finally:
+        runtime.decode = real  # type: ignore[method-assign]
+    assert seen["pins"] == 1 and entry.pins == 0 and entry.key in engine._local.loop.caches.states._entries
+    hit = engine.generate(messages, max_tokens=2, temperature=0.0)[2].cached_tokens
+    assert hit == engine._local.loop.caches.states.peek(plan.prompt, plan.boundary, kind=CHAT) or hit > 0
+
+
+@pytest.mark.model
+def test_a_grammar_chat_reuses_only_the_kv_cells(smollm2: DecisionEngine) -> None:
+    """response_format's grammar sampler is the request's own: a turn that copies the kept turn still
+    writes what the grammar allows."""
+    _usages, messages = converse(smollm2, [opening()])
+    messages.append({"role": "user", "content": "Answer as a JSON object."})
+    plan = smollm2.chat_plan(messages, max_tokens=6, max_tokens_cap=6, temperature=0.0)
+    plan = dataclasses.replace(plan, grammar=chat_options.json_object_grammar())
+    text, _finish, usage = smollm2._run_local(smollm2.chat_work(plan), "chat")
+    assert usage.cached_tokens > 0 and text.lstrip().startswith("{")
+    assert_released(smollm2)
+
+
+@pytest.mark.model
+def test_batch_invariance_keeps_no_chat_turn(invariant_engine: DecisionEngine) -> None:
+    """No sequence is kept in that mode (memory epochs): every turn is prefilled from the start."""
+    usages, _messages = converse(invariant_engine, [opening(), "What should I do now?"], max_tokens=3)
+    assert invariant_engine._local.loop.caches.states is None
+    assert [usage.cached_tokens for usage in usages] == [0, 0]
+
+
+@pytest.mark.model
+def test_kept_chat_turns_give_way_to_a_chat_that_needs_their_cells(qwen35_path: Path) -> None:
+    """The tiny hybrid model in a 1,024-cell context: two kept turns leave too few cells for a long
+    prompt, so they are evicted (least recently used first) and it runs."""
+    for engine in load(
+        qwen35_path, n_ctx=1024, max_state_tokens=512, state_cache_seqs=3, state_cache_cells=700
+    ):
+        states = engine._local.loop.caches.states
+        for _ in range(2):
+            converse(engine, [opening() + " It was a gift for my sister." * 30], max_tokens=2)
+        turns = [entry for entry in states._entries.values() if entry.kind == CHAT]
+        assert len(turns) == 2 and states.cells > 400
+        story = [{"role": "user", "content": opening() + " Tell me the story again." * 130}]
+        prompt = engine.chat_plan(story, max_tokens=2, max_tokens_cap=2).prompt
+        assert len(prompt) > 1024 - len(engine.head_tokens) - states.cells
+        assert engine.generate(story, max_tokens=2)[1] in ("stop", "length")
+        assert all(states._entries.get(turn.key) is not turn for turn in turns) and states.cells <= 700
+        assert_released(engine)

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from decider.engine.chat import ChatPlan, ChatWork
 from decider.engine.cost import span_attended
 from decider.engine.decisions import DecisionPlan, DecisionPlanner
 from decider.engine.labels import build_label_table
 from decider.engine.native import DecodeAbortedError, Row, RowOutput
 from decider.engine.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, ChatTemplate, PromptBuilder, PromptFrame
-from decider.engine.work import ChatPlan, DecisionWork
+from decider.engine.work import DecisionWork
 from decider.errors import RequestError
 from decider.invariance import BatchPolicy
 from decider.settings import Settings
@@ -181,3 +182,6 @@ class FakeEngine:
             tuple(params.get("stop") or ()),
             params.get("seed"),
         )
+
+    def chat_work(self, plan: ChatPlan, emit: Callable[[Any], None] | None = None) -> ChatWork:
+        return ChatWork(plan, emit)

@@ -332,7 +332,12 @@ def test_chat_answer_shape(client: TestClient, fake_engine: FakeEngine) -> None:
     assert body["model"] == fake_engine.model_info.id
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "t0 t1 t2 t3 "}
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_chat_stream_is_sse_ending_with_done(client: TestClient) -> None:

@@ -1,5 +1,5 @@
 """What the server keeps across requests, as clients and operators see it: `cached_tokens` on both
-decision routes and the cache counters in /metrics, against the real `serve` process."""
+decision routes and on chat, and the cache counters in /metrics, against the real `serve` process."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import DECISION
@@ -75,3 +76,45 @@ def test_new_questions_on_a_kept_state_decode_only_their_own_tokens(live_server:
     assert grew(before, after, "decider_cache_tokens_total", "state") == second["extensions"]["cached_tokens"]
     plain = httpx.post(url, json={"state": shared["state"], "questions": other}, timeout=60).json()
     assert "extensions" not in plain and set(plain["usage"]) == {"input_tokens", "output_tokens"}
+
+
+def test_a_chat_turn_reports_what_it_copied_from_the_turn_before(live_server: LocalServer) -> None:
+    """The real `openai` client reads `usage.prompt_tokens_details.cached_tokens`, in a completion
+    and in a stream's final usage chunk; /metrics counts the chat turns kept, hit and replaced."""
+    client = openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    messages: list[Any] = [{"role": "user", "content": f"Ticket {uuid.uuid4().hex[:8]}: it broke."}]
+    before = cache_counters(live_server)
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "What should I do now?"},
+    ]
+    second = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    messages += [
+        {"role": "assistant", "content": second.choices[0].message.content},
+        {"role": "user", "content": "And if it happens again?"},
+    ]
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    streamed = usage.prompt_tokens_details.cached_tokens
+    assert streamed is not None and second.usage.prompt_tokens <= streamed < usage.prompt_tokens
+    after = cache_counters(live_server)
+    lookups = [grew(before, after, "decider_cache_lookups_total", "chat", o) for o in ("hit", "miss")]
+    assert lookups == [2, 1]  # a first turn continues nothing: it is prefilled whole
+    assert grew(before, after, "decider_cache_stores_total", "chat") == 3
+    assert grew(before, after, "decider_cache_evictions_total", "chat") >= 2  # each turn replaced
+    assert grew(before, after, "decider_cache_tokens_total", "chat") >= cached + streamed

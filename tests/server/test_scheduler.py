@@ -14,11 +14,11 @@ import uuid
 from typing import Any
 
 import pytest
+from decider.engine.chat import ChatPlan, ChatWork
 from decider.engine.jobs import Job
 from decider.engine.labels import build_label_table
 from decider.engine.native import KvCacheFullError, NativeError, Row
 from decider.engine.scheduler import Scheduler
-from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import (
     DeadlineExceededError,
     DeciderError,

@@ -9,21 +9,23 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from decider.engine.admission import ChatLengths
+from decider.engine.chat import ChatPlan, ChatWork
 from decider.engine.cost import Cost, CostModel, span_attended
 from decider.engine.jobs import Job
 from decider.engine.scheduler import Scheduler
 from decider.engine.steps import SeqPool, Step
-from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import DeciderError, OverloadedError, RequestExceedsDeadlineError, UnavailableError
 from decider.schemas.decision import parse_decision_request
 from decider.server.answers import decision_response
 from decider.server.handlers import _JobStream, run_until_disconnect
 from decider.server.metrics import ServerMetrics
+from decider.settings import CacheBudget
 from server_fakes import FakeEngine
 
 QUESTIONS = {"billing": {"type": "noul", "instructions": "Is this about billing?"}}
@@ -200,6 +202,47 @@ def test_idle_server_tries_a_request_near_the_deadline_and_refuses_only_the_hope
     gate.set()
     ahead.future.result(5)  # type: ignore[union-attr]
     scheduler.close()
+
+
+def test_admission_counts_only_what_kept_states_and_chat_turns_leave_to_decode() -> None:
+    """A decision on a kept state decodes its questions' tails only, and a chat's next turn only what
+    follows the kept turn: admission's estimates (a peek at the cache) say so, within 0.8-1.25 of
+    what they take; they used to count the whole prompt. The fake takes exact hits only."""
+    engine = FakeEngine(decode_seconds=0.002, token_seconds=0.0006)
+    scheduler = Scheduler(
+        queue_size=8, deadline_seconds=60, metrics=ServerMetrics(), cache_budget=CacheBudget(20_000, 8, 0)
+    )
+    scheduler.submit_unscheduled(lambda: scheduler.attach(engine.runtime, engine.head_tokens)).result(5)
+    for size in (50, 300, 600, 120):  # distinct states: each a miss (the cost model is fitted)
+        _timed(scheduler, _work(engine, size))
+
+    def miss_then_hit(kind: str, miss: Any, hit: Any, cached: Callable[[Any], int]) -> None:
+        first = scheduler.enqueue(kind, "miss", miss)
+        assert cached(first.future.result(30)) == 0  # type: ignore[union-attr]
+        started = time.monotonic()
+        again = scheduler.enqueue(kind, "hit", hit)
+        assert cached(again.future.result(30)) >= 1500  # type: ignore[union-attr]
+        measured = time.monotonic() - started
+        assert first.estimate is not None and again.estimate is not None
+        assert again.estimate < 0.25 * first.estimate
+        assert 0.8 <= again.estimate / measured <= 1.25, (kind, again.estimate, measured)
+
+    state = "y" * 1500
+    other = {"urgent": {"type": "noul", "instructions": "Is it urgent, or can it wait until tomorrow?"}}
+    decisions = (_work_on(engine, state, QUESTIONS), _work_on(engine, state, other))
+    miss_then_hit("decision", *decisions, lambda response: response.extensions["cached_tokens"])
+    earlier = list(range(1000, 2500))
+    turns = (
+        ChatWork(ChatPlan([*earlier, 7, 7, 7], max_tokens=1, boundary=len(earlier))),
+        ChatWork(ChatPlan([*earlier, *range(5000, 5200)], max_tokens=1, boundary=len(earlier) + 197)),
+    )
+    miss_then_hit("chat", *turns, lambda outcome: outcome[2].cached_tokens)
+    scheduler.close()
+
+
+def _work_on(engine: FakeEngine, state: str, questions: dict[str, Any]) -> Any:
+    body = {"state": state, "questions": questions, "extensions": True}
+    return engine.decision_work(engine.plan_decision(parse_decision_request(body)))
 
 
 def test_the_deadline_runs_from_the_request_s_arrival() -> None:

@@ -27,10 +27,12 @@ all cores), side by side on the same requests:
    then again while `--mixed-chats` clients (default 4) keep streaming chats with the default
    max_tokens beside them; `decision_p50_ratio` / `decision_p95_ratio` = beside / alone (1.0: the
    chats cost the decisions nothing), and how the chats ended (`cut`: closed at the level's end).
-6. Multi-turn chat. One conversation of `--turns` turns (default 5, greedy, 64 tokens per answer),
-   each carrying the earlier turns: time to first token of the last turn over the first
-   (`ttft_last_over_first`; the target is at most 1.5 at turn 5, with the previous turn's tokens
-   reused).
+6. Multi-turn chat. `--multi-turn-conversations` conversations (default 3) of `--turns` turns
+   (default 5, greedy, 64 tokens per answer), each turn carrying the earlier ones, each conversation
+   opened by a system message of its own, on a fresh server with the default caches (kept chat
+   turns) and then on one without them: the median time to first token of the last turn over the
+   first's (`ttft_last_over_first`, target at most 1.5 at turn 5; `uncached_ttft_last_over_first`
+   without the caches), and the prompt tokens the last turn copied (`cached_tokens_last`).
 7. Real traffic (`traffic_levels`), each level on a fresh server with the default
    settings (states and exact repeats kept across requests) and a fresh llama-server, our side
    first, then llama-server's text route on the same questions, at 1 and 4 clients:
@@ -42,7 +44,8 @@ all cores), side by side on the same requests:
    Each line has both sides' wall seconds and evaluated tokens (ours: the tokens decoded, from
    /metrics; theirs: `timings.prompt_n`) and the tokens our responses report as cached. Without
    llama-server, our side is printed alone (`decision_vs_text=nan`).
-   Phases 1-4 ask each case once, and the sweep asks the same requests at every level: there the
+   `--levels multi_turn`, `repeat` or `hybrid` runs that level alone.
+   Phases 1-5 ask each case once, and the sweep asks the same requests at every level: there the
    server runs with both caches off (DECIDER_STATE_CACHE_SEQS=0, DECIDER_REPEAT_CACHE_ENTRIES=0), so
    that a level is never a replay of the one before.
 
@@ -55,8 +58,9 @@ The last lines are machine-readable (times in seconds; ratios against the 1-clie
       text_prompt_tokens=… decision_tokens=…   (1 and 4 clients)
     mixed_chats=4 decision_p50_ratio=… decision_p95_ratio=… p50_alone=… p50_beside=… p95_alone=…
       p95_beside=… decision_errors=… chat_ends=…
-    multi_turn=5 ttft_first=… ttft_last=… ttft_last_over_first=… prompt_tokens_first=… prompt_tokens_last=…
-      turn_ends=…
+    multi_turn=5 conversations=3 ttft_first=… ttft_last=… ttft_last_over_first=…
+      uncached_ttft_last_over_first=… prompt_tokens_first=… prompt_tokens_last=… cached_tokens_first=…
+      cached_tokens_last=… turn_ends=…
     level=repeat concurrency=1 decision_vs_text=… decision_seconds=… text_seconds=…
       decision_tokens=… cached_tokens=… text_prompt_tokens=… errors=…   (repeat, hybrid, hybrid_repeat)
 
@@ -521,13 +525,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--hybrid-embd", type=int, default=512, help="its width (default 512)")
     parser.add_argument(
+        "--multi-turn-conversations",
+        type=int,
+        default=3,
+        help="conversations of the multi-turn level, on each server (default 3; the median per turn)",
+    )
+    parser.add_argument(
         "--levels",
         default="all",
-        help="'all', or 'traffic' for the repeat and hybrid levels alone (default all)",
+        choices=("all", "traffic", "repeat", "hybrid", "multi_turn"),
+        help="'all'; 'traffic' for the repeat and hybrid levels alone, 'repeat' or 'hybrid' for one of "
+        "them, 'multi_turn' for the multi-turn chat alone (default all)",
     )
     args = parser.parse_args(argv)
-    if args.levels == "traffic":
-        return traffic_main(args)
+    if args.levels in ("traffic", "repeat", "hybrid"):
+        return traffic_main(args, args.levels)
+    if args.levels == "multi_turn":
+        return multi_turn_main(args)
     if args.quick:
         args.requests, args.overhead_cases, args.batch_states, args.text_requests = 8, 2, 3, 4
     levels_wanted = sorted({1, *(int(n) for n in args.concurrency.split(",") if n.strip())})
@@ -574,7 +588,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         console.print("[dim]batch route…[/]")
         batch = measure_batch(server.base_url, same_questions_group(cases, args.batch_states))
-        multi_turn = measure_multi_turn(server.base_url, args.turns) if args.turns > 1 else []
         mixed = [
             measure_mixed(server.base_url, spread(bodies, args.mixed_requests), chats)
             for chats in (int(n) for n in args.mixed_chats.split(",") if n.strip())
@@ -590,6 +603,11 @@ def main(argv: list[str] | None = None) -> int:
             warm_up,
         )
 
+    multi_turn = (
+        measure_multi_turn_levels(console, fields, args.turns, args.multi_turn_conversations)
+        if args.turns > 1
+        else None
+    )
     http_vs_engine = print_overhead(console, engine_times, http_times)
     serial = levels[0]
     serial_answers = serial.answers()
@@ -629,8 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text_route_line(comparison))
     for result in mixed:
         print(result.line())
-    if multi_turn:
-        print(multi_turn_line(multi_turn))
+    if multi_turn is not None:
+        print(multi_turn.line())
     failed = failed or any(result.beside.errors or result.alone.errors for result in mixed)
     traffic_failed = traffic_main(args)
     return 1 if failed or ping_failures or traffic_failed else 0
@@ -730,8 +748,9 @@ def traffic_levels(
     return levels
 
 
-def traffic_main(args: Any) -> int:
-    """The repeat and hybrid levels (see the module docstring); 1 if a request failed."""
+def traffic_main(args: Any, which: str = "traffic") -> int:
+    """The repeat and hybrid levels (see the module docstring; `which`: 'repeat' or 'hybrid' alone,
+    'traffic' both); 1 if a request failed."""
     from decider.engine import DecisionEngine
     from decider.engine.bundled import smollm2_path
     from decider.settings import Settings
@@ -752,13 +771,21 @@ def traffic_main(args: Any) -> int:
     asked_once, asked_repeated = text_questions(engine, once), text_questions(engine, repeated)
     engine.close()
     env = {Settings.env_name(name): str(value) for name, value in fields.items()}
-    levels = traffic_levels(console, "repeat", env, settings, repeated, asked_repeated, warm_up, binary)
-    hybrid = hybrid_model(args.hybrid_layers, args.hybrid_embd, smollm2_path())
-    hybrid_fields = {**fields, "model_path": hybrid}
-    hybrid_settings = Settings(**hybrid_fields)
-    hybrid_env = {Settings.env_name(name): str(value) for name, value in hybrid_fields.items()}
-    for name, bodies, asked in (("hybrid", once, asked_once), ("hybrid_repeat", repeated, asked_repeated)):
-        levels += traffic_levels(console, name, hybrid_env, hybrid_settings, bodies, asked, warm_up, binary)
+    levels = []
+    if which in ("traffic", "repeat"):
+        levels += traffic_levels(console, "repeat", env, settings, repeated, asked_repeated, warm_up, binary)
+    if which in ("traffic", "hybrid"):
+        hybrid = hybrid_model(args.hybrid_layers, args.hybrid_embd, smollm2_path())
+        hybrid_fields = {**fields, "model_path": hybrid}
+        hybrid_settings = Settings(**hybrid_fields)
+        hybrid_env = {Settings.env_name(name): str(value) for name, value in hybrid_fields.items()}
+        for name, bodies, asked in (
+            ("hybrid", once, asked_once),
+            ("hybrid_repeat", repeated, asked_repeated),
+        ):
+            levels += traffic_levels(
+                console, name, hybrid_env, hybrid_settings, bodies, asked, warm_up, binary
+            )
     for level in levels:
         print(level.line())
     return 1 if any(level.ours.errors or (level.text and level.text.errors) for level in levels) else 0
@@ -947,6 +974,7 @@ class Turn:
     first_token_seconds: float
     prompt_tokens: int
     status: str  # a finish_reason, or an error
+    cached_tokens: int = 0
 
 
 def _stream_turn(client: httpx.Client, messages: list[dict[str, str]], max_tokens: int) -> tuple[Turn, str]:
@@ -958,7 +986,7 @@ def _stream_turn(client: httpx.Client, messages: list[dict[str, str]], max_token
         "stream_options": {"include_usage": True},
     }
     started = time.perf_counter()
-    first, text, status, prompt_tokens = math.nan, [], "no_end", 0
+    first, text, status, prompt_tokens, cached = math.nan, [], "no_end", 0, 0
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
@@ -978,13 +1006,16 @@ def _stream_turn(client: httpx.Client, messages: list[dict[str, str]], max_token
                     status = choice["finish_reason"]
             if chunk.get("usage"):
                 prompt_tokens = chunk["usage"]["prompt_tokens"]
-    return Turn(first, prompt_tokens, status), "".join(text)
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Turn(first, prompt_tokens, status, cached), "".join(text)
 
 
-def measure_multi_turn(base_url: str, turns: int = 5, max_tokens: int = 64) -> list[Turn]:
+def measure_multi_turn(base_url: str, turns: int = 5, max_tokens: int = 64, tag: str = "") -> list[Turn]:
     """One conversation of `turns` turns (greedy, `max_tokens` per answer), each turn carrying the
-    earlier questions and answers: its time to first token, one client, nothing beside it."""
-    messages: list[dict[str, str]] = []
+    earlier questions and answers: its time to first token, one client, nothing beside it. `tag`
+    opens the conversation with a system message of its own, so that conversations share no
+    prefix worth reusing (the default system prompt is about 30 tokens on SmolLM2)."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": tag}] if tag else []
     out: list[Turn] = []
     with httpx.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client:
         for index in range(turns):
@@ -997,20 +1028,76 @@ def measure_multi_turn(base_url: str, turns: int = 5, max_tokens: int = 64) -> l
     return out
 
 
-def multi_turn_line(turns: list[Turn]) -> str:
-    first, last = turns[0], turns[-1]
-    return key_values(
-        (
-            ("multi_turn", str(len(turns))),
-            ("ttft_first", first.first_token_seconds),
-            ("ttft_last", last.first_token_seconds),
-            ("ttft_last_over_first", ratio(last.first_token_seconds, first.first_token_seconds)),
-            ("prompt_tokens_first", str(first.prompt_tokens)),
-            ("prompt_tokens_last", str(last.prompt_tokens)),
-            ("turn_ends", ",".join(turn.status for turn in turns)),
-        ),
-        digits=3,
+@dataclass
+class MultiTurn:
+    """`conversations` conversations on a server with the default caches, and as many on one without
+    (DECIDER_STATE_CACHE_SEQS=0): per turn the median time to first token."""
+
+    kept: list[list[Turn]]
+    uncached: list[list[Turn]]
+
+    @staticmethod
+    def ttft(conversations: list[list[Turn]], turn: int) -> float:
+        times = [
+            c[turn].first_token_seconds for c in conversations if not math.isnan(c[turn].first_token_seconds)
+        ]
+        return statistics.median(times) if times else math.nan
+
+    def line(self) -> str:
+        first, last = self.kept[0][0], self.kept[0][-1]
+        ttft = (self.ttft(self.kept, 0), self.ttft(self.kept, -1))
+        plain = (self.ttft(self.uncached, 0), self.ttft(self.uncached, -1))
+        return key_values(
+            (
+                ("multi_turn", str(len(self.kept[0]))),
+                ("conversations", str(len(self.kept))),
+                ("ttft_first", ttft[0]),
+                ("ttft_last", ttft[1]),
+                ("ttft_last_over_first", ratio(ttft[1], ttft[0])),
+                ("uncached_ttft_last_over_first", ratio(plain[1], plain[0])),
+                ("prompt_tokens_first", str(first.prompt_tokens)),
+                ("prompt_tokens_last", str(last.prompt_tokens)),
+                ("cached_tokens_first", str(first.cached_tokens)),
+                ("cached_tokens_last", str(last.cached_tokens)),
+                ("turn_ends", ",".join(turn.status for c in self.kept for turn in c)),
+            ),
+            digits=3,
+        )
+
+
+def measure_multi_turn_levels(
+    console: Console, fields: dict[str, Any], turns: int, conversations: int
+) -> MultiTurn:
+    """The multi-turn level on a fresh server with the default caches, then on one without them,
+    each warmed up by one chat of its own (`conversations` conversations each)."""
+    from decider.settings import Settings
+
+    runs: list[list[list[Turn]]] = []
+    for name, extra in (("kept turns", {}), ("no caches", NO_CACHES)):
+        console.print(f"[dim]multi-turn chat, {name}: {conversations} conversation(s) of {turns} turns…[/]")
+        env = {Settings.env_name(key): str(value) for key, value in {**fields, **extra}.items()}
+        with run_local_server(env) as server:
+            measure_multi_turn(server.base_url, 1, 8, tag="Warm-up.")
+            runs.append(
+                [
+                    measure_multi_turn(server.base_url, turns, tag=f"Conversation {i + 1}.")
+                    for i in range(conversations)
+                ]
+            )
+    return MultiTurn(*runs)
+
+
+def multi_turn_main(args: Any) -> int:
+    """The multi-turn level alone (`--levels multi_turn`); 1 if a turn failed."""
+    from decider.engine.bundled import smollm2_path
+
+    console = Console(width=200)
+    result = measure_multi_turn_levels(
+        console, model_settings(args, smollm2_path()), args.turns, args.multi_turn_conversations
     )
+    print(result.line())
+    ends = {turn.status for c in (*result.kept, *result.uncached) for turn in c}
+    return 0 if ends <= {"stop", "length"} else 1
 
 
 if __name__ == "__main__":

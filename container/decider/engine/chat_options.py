@@ -1,6 +1,6 @@
 """Chat parity with llama-server (issue 18): `logprobs` / `top_logprobs` and grammar-constrained
 output (`response_format` with a JSON schema, or `json_object`), as additions beside the generation
-loop (`decider.engine.work.ChatWork` calls `grammar_sampler` and `token_logprobs`).
+loop (`decider.engine.chat.ChatWork` calls `grammar_sampler` and `token_logprobs`).
 
 - **Grammar.** A JSON schema becomes GBNF with llama.cpp's own converter (`llama_cpp.llama_grammar`,
   the one llama-server's `json_schema_to_grammar` mirrors); `json_object` uses llama.cpp's JSON

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -139,36 +139,49 @@ class DecisionPlan:
     def cost_tokens(self) -> int:
         """Tokens the engine will decode for this request (shared mode: the cached head excluded;
         fresh mode: every branch decodes it again)."""
-        return sum(_state_cost(state, self.mode, self.head_tokens) for state in self.states)
+        return sum(_state_cost(state, state.items, self.mode, self.head_tokens) for state in self.states)
 
     @property
     def cost(self) -> Cost:
         """What the engine does for this request: decodes (at least the prefix, the branches and the
         label positions), tokens, attended positions."""
-        total = sum((_state_attention(state, self.mode, self.head_tokens) for state in self.states), Cost())
-        tokens = self.cost_tokens
-        return Cost(3 if tokens else 0, tokens, total.attended)
+        return self.cost_given()
+
+    def cost_given(self, cached: Sequence[int] = (), repeated: Sequence[Collection[int]] = ()) -> Cost:
+        """`cost` less what the caches hold: state i's first `cached[i]` prefix tokens kept, and its
+        items whose index is in `repeated[i]` answered from exact repeats (admission's estimate)."""
+        tokens, attended = 0, 0.0
+        for index, state in enumerate(self.states):
+            kept = cached[index] if index < len(cached) else 0
+            skip = repeated[index] if index < len(repeated) else ()
+            items = [item for number, item in enumerate(state.items) if number not in skip]
+            tokens += _state_cost(state, items, self.mode, self.head_tokens, kept)
+            attended += _state_attention(state, items, self.mode, self.head_tokens, kept)
+        return Cost(3 if tokens else 0, tokens, attended)
 
 
-def _state_attention(state: StatePlan, mode: Mode, head: int) -> Cost:
-    """Attended positions of one state's decodes: its prefix after the head, then each branch
-    (fresh mode: each branch's whole prompt), label positions included."""
+def _state_attention(
+    state: StatePlan, items: Sequence[Item], mode: Mode, head: int, cached: int = 0
+) -> float:
+    """Attended positions of one state's decodes: its prefix after the head (less the `cached`
+    tokens a kept state holds), then each of `items`' branches (fresh mode: each branch's whole
+    prompt), label positions included."""
     attended = 0.0
     base = head + len(state.prefix)
-    if mode == "shared" and state.items:
-        attended += span_attended(head, len(state.prefix))
-    for item in state.items:
+    if mode == "shared" and items:
+        attended += span_attended(head + cached, len(state.prefix) - cached)
+    for item in items:
         tail = len(item.tokens) + len(item.trie.nodes) - 1
         attended += span_attended(0, base + tail) if mode == "fresh" else span_attended(base, tail)
-    return Cost(attended=attended)
+    return attended
 
 
-def _state_cost(state: StatePlan, mode: Mode, head: int) -> int:
-    positions = sum(len(item.trie.nodes) - 1 for item in state.items)
-    tails = sum(len(item.tokens) for item in state.items)
+def _state_cost(state: StatePlan, items: Sequence[Item], mode: Mode, head: int, cached: int = 0) -> int:
+    positions = sum(len(item.trie.nodes) - 1 for item in items)
+    tails = sum(len(item.tokens) for item in items)
     if mode == "fresh":
-        return len(state.items) * (head + len(state.prefix)) + tails + positions
-    return (len(state.prefix) if state.items else 0) + tails + positions
+        return len(items) * (head + len(state.prefix)) + tails + positions
+    return (len(state.prefix) - cached if items else 0) + tails + positions
 
 
 def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:

@@ -4,8 +4,9 @@ For every question the prompt ends right where the model would write an option's
 engine reads the logits there (and, for labels of several tokens, at one more position per label
 prefix), keeps only the labels' scores, divides by the temperature and normalizes: nothing is
 generated. Planning (`plan_decision`, `plan_batch`, `chat_plan`) tokenizes and checks every
-limit; the resulting `DecisionWork` / `ChatWork` runs on the scheduler's engine thread, batched
-with everything else that is running (see `decider.engine.scheduler`).
+limit; the resulting work (`decision_work`, `chat_work`) runs on the scheduler's engine thread,
+batched with everything else that is running (see `decider.engine.scheduler`). Chats are planned
+and built by one module, `decider.engine.chat` (`engine.chat`).
 
 `decide(request)` runs one request in-process on a private scheduler (tests, benchmarks) and returns
 its `DecisionOutcome`: the engine never builds wire responses (decider.server.answers does).
@@ -13,14 +14,15 @@ its `DecisionOutcome`: the engine never builds wire responses (decider.server.an
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from decider.engine import generation
+from decider.engine.chat import ChatPlan, ChatPlanner, ChatWork
 from decider.engine.decisions import (
     BatchDecisionRequest,
     DecisionOutcome,
@@ -28,6 +30,7 @@ from decider.engine.decisions import (
     DecisionPlanner,
     DecisionRequest,
 )
+from decider.engine.generation import GenerationEvent
 from decider.engine.jobs import Job
 from decider.engine.labels import LabelError, LabelTable, build_label_table
 from decider.engine.markers import CallerText, MarkerError
@@ -42,8 +45,8 @@ from decider.engine.prompt import (
     TemplateUnusableError,
 )
 from decider.engine.scheduler import Scheduler
-from decider.engine.work import ChatPlan, ChatWork, DecisionWork
-from decider.errors import RequestError, StartupError
+from decider.engine.work import DecisionWork
+from decider.errors import StartupError
 from decider.settings import Settings
 
 
@@ -90,6 +93,14 @@ class DecisionEngine:
         self.planner = planner
         self.model_info = info
         self.max_options = info.max_options
+        self.chat = ChatPlanner(
+            template,
+            runtime,
+            caller.tokenize,
+            room=planner.room,  # the cached decision head and the pad stay
+            n_ctx_setting=settings.env_name("n_ctx"),
+            max_token_bytes=planner.max_token_bytes,
+        )
         self._local: Any = None  # a private scheduler for `decide`, created on first use
 
     # --- loading ---------------------------------------------------------------------------------
@@ -238,57 +249,17 @@ class DecisionEngine:
         return self._local.submit(job, work).result()
 
     # --- chat ----------------------------------------------------------------------------------------
-    def render_chat(
-        self, messages: list[dict[str, Any]], *, max_prompt_tokens: int | None = None
-    ) -> list[int]:
-        """Chat prompt tokens; a conversation the model's template refuses is a 422, not a 500.
-        With `max_prompt_tokens`, a prompt whose message contents alone make more tokens than that
-        by their bytes (no token is longer than the vocabulary's longest piece) is refused before
-        anything is tokenized."""
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat prompt tokens; a conversation the model's template refuses is a 422, not a 500."""
+        return self.chat.render(messages)
 
-        def check(text_bytes: int) -> None:
-            floor = math.ceil(text_bytes / self.planner.max_token_bytes)
-            if max_prompt_tokens is not None and floor > max_prompt_tokens:
-                raise RequestError(
-                    f"The prompt is at least {floor} tokens ({text_bytes} bytes); the context holds "
-                    f"{self.planner.room} for chat ({self.settings.env_name('n_ctx')}).",
-                    code="context_length_exceeded",
-                    param="messages",
-                )
+    def chat_plan(self, messages: list[dict[str, Any]], **params: Any) -> ChatPlan:
+        """Tokenize a chat and check its limits (`ChatPlanner.plan`)."""
+        return self.chat.plan(messages, **params)
 
-        try:
-            return generation.chat_tokens(self._template, self._rt, self._caller.tokenize, messages, check)
-        except TemplateUnusableError as exc:
-            raise RequestError(
-                f"The model's chat template rejects these messages: {exc}",
-                code="invalid_messages",
-                param="messages",
-            ) from exc
-
-    def chat_plan(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        max_tokens: int | None,
-        max_tokens_cap: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: list[str] | None = None,
-        seed: int | None = None,
-    ) -> ChatPlan:
-        """Tokenize a chat; `max_tokens` None: up to what the context has left, at most `max_tokens_cap`."""
-        prompt = self.render_chat(messages, max_prompt_tokens=self.planner.room - (max_tokens or 1))
-        room = self.planner.room - len(prompt)  # the cached decision head and the pad stay
-        if max_tokens is None:
-            max_tokens = max(1, min(max_tokens_cap, room))
-        if max_tokens > room:
-            raise RequestError(
-                f"The prompt is {len(prompt)} tokens and max_tokens is {max_tokens}; the context holds "
-                f"{self.planner.room} for chat ({self.settings.env_name('n_ctx')}).",
-                code="context_length_exceeded",
-                param="messages",
-            )
-        return ChatPlan(prompt, max_tokens, temperature, top_p, tuple(stop or ()), seed)
+    def chat_work(self, plan: ChatPlan, emit: Callable[[GenerationEvent], None] | None = None) -> ChatWork:
+        """The work that answers a planned chat (`emit`: each text delta and the end, when streaming)."""
+        return self.chat.work(plan, emit)
 
     def generate(
         self, messages: list[dict[str, Any]], **params: Any
@@ -300,7 +271,7 @@ class DecisionEngine:
             max_tokens_cap=self.settings.max_chat_tokens,
             **params,
         )
-        return self._run_local(ChatWork(plan), "chat")
+        return self._run_local(self.chat_work(plan), "chat")
 
 
 def _chat_template(runtime: LlamaRuntime, settings: Settings) -> ChatTemplate:

@@ -1,6 +1,6 @@
 """Chat generation pieces: prompt tokens from the template, the sampler chain, stop strings.
 
-The generation loop itself is `decider.engine.work.ChatWork`, one token per scheduler step. Text
+The generation loop itself is `decider.engine.chat.ChatWork`, one token per scheduler step. Text
 deltas are produced with an incremental UTF-8 decoder (a character may be split over tokens) and
 held back while they could still be the start of a stop string, so a stop string that spans
 tokens is found and never emitted.
@@ -26,6 +26,7 @@ FinishReason = Literal["stop", "length", "cancelled"]
 class GenerationUsage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens copied from a kept turn instead of decoded
 
     @property
     def total_tokens(self) -> int:
@@ -63,6 +64,8 @@ def chat_tokens(
     caller_tokens: Callable[[str], list[int]],
     messages: Sequence[dict[str, Any]],
     before_tokenizing: Callable[[int], None] | None = None,
+    *,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """Prompt tokens for a chat: the template's own text parses special tokens, message contents never.
 
@@ -80,7 +83,7 @@ def chat_tokens(
         {"role": str(message.get("role", "user")), "content": _MESSAGE_SENTINEL.format(i)}
         for i, message in enumerate(messages)
     ]
-    text = template.render(rendered_messages, add_generation_prompt=True)
+    text = template.render(rendered_messages, add_generation_prompt=add_generation_prompt)
     if before_tokenizing is not None:  # the caller text about to be tokenized, for a bound that can tell
         printed = [contents[int(match.group(1))] for match in _MESSAGE_SENTINELS.finditer(text)]
         before_tokenizing(sum(len(content.encode("utf-8", errors="replace")) for content in printed))

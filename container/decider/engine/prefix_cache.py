@@ -1,6 +1,10 @@
-"""What the engine keeps across requests: decision states as sequences, exact repeats as label scores.
+"""What the engine keeps across requests: decision states and chat turns as sequences, exact
+repeats as label scores.
 
-Both live on the engine thread only (the scheduler owns them), so neither takes a lock.
+Both caches live on the engine thread (the scheduler owns them). Admission, on the event loop, only
+peeks: the state cache publishes an immutable tuple of its keys after every change (`peek` reads
+that, never the live dictionary), and the repeat cache answers membership under its own lock. A peek
+is an estimate: by the time the work starts an entry may have been evicted or a new one kept.
 
 States (`StateCache`). When a decision state's prefill reaches its canonical boundary (the prompt
 head plus the state, before any question's tokens), the state's sequence is copied into an entry
@@ -21,6 +25,16 @@ Two kinds of hits:
   have dropped the cells a truncated copy would need, and a recurrent state cannot be cut, so
   those models take exact hits only.
 
+Chat turns share the same entries, budget and least-recently-used order (kind `chat`; their tokens
+start at position 0, a state's after the head). On models that allow partial hits, a chat that ends
+by itself (a stop, or its max_tokens) hands its own sequence to the cache (its prompt and the tokens
+it generated, nothing copied), replacing the entry it continued; the next turn of the conversation
+takes the longest common prefix, as far as the template re-renders the answer as the tokens
+generated. On exact-only models a chat's entry is the conversation before the generation prompt
+(`ChatPlan.boundary`): the prefill stops there once and a copy is kept, and the next turn, which
+renders the same messages and then more, starts with it (decider.engine.chat). A kept turn serves
+only a prompt that continues it (`best_hit`).
+
 Exact repeats (`RepeatCache`). The raw label readouts (logits, log-normalizers) of one prompt, keyed
 by a digest of the model, the prompt version, the whole prompt's tokens, the label tokens and the
 readout spec. A request asking the same question on the same state again reads them back and
@@ -30,14 +44,19 @@ decodes nothing for it; temperature and permutation averaging are applied afterw
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 MIN_PARTIAL_HIT = 16  # a shorter common prefix saves less than the copy and the bookkeeping cost
+STATE = "state"  # a decision state: its tokens follow the prompt head
+CHAT = "chat"  # a chat turn: its tokens start at position 0
+Key = tuple[str, tuple[int, ...]]  # (kind, tokens)
+Candidate = tuple[Key, int]  # an entry's key and the fewest tokens a hit on it must cover
 
 
 class CacheMemory(Protocol):
@@ -70,11 +89,27 @@ class Caches:
 
 @dataclass(eq=False)
 class CachedState:
-    """One kept state: `tokens` follow the prompt head; `seq` holds the head and them."""
+    """One kept sequence. A state (`kind` STATE): `tokens` follow the prompt head, `seq` holds the
+    head and them. A chat turn (CHAT): `seq` holds `tokens` from position 0 (`start`)."""
 
     tokens: tuple[int, ...]
     seq: int
     pins: int = 0
+    kind: str = STATE
+    start: int = 0  # the position of tokens[0]
+    # A chat turn: how many of its tokens were its prompt (the rest it generated). Only a request
+    # that reuses all of them, one continuing the conversation, may copy it (`floor`).
+    prompt_tokens: int = 0
+
+    @property
+    def key(self) -> Key:
+        return (self.kind, self.tokens)
+
+    @property
+    def floor(self) -> int:
+        """The fewest tokens a hit on it must cover: a chat turn serves only a prompt that continues
+        it (its whole prompt, see `best_hit`); a state serves any hit."""
+        return self.prompt_tokens if self.kind == CHAT else 0
 
     @property
     def cells(self) -> int:
@@ -89,7 +124,7 @@ class StateHit:
 
 
 class StateCache:
-    """Kept decision states, least recently used first (see the module docstring)."""
+    """Kept decision states and chat turns, least recently used first (see the module docstring)."""
 
     def __init__(
         self,
@@ -109,7 +144,8 @@ class StateCache:
         self.max_seqs = max_seqs
         self.partial = partial
         self._metrics = metrics
-        self._entries: OrderedDict[tuple[int, ...], CachedState] = OrderedDict()
+        self._entries: OrderedDict[Key, CachedState] = OrderedDict()
+        self._published: tuple[Candidate, ...] = ()
 
     # --- what it holds ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -133,121 +169,213 @@ class StateCache:
         return tuple(entry.seq for entry in self._entries.values())
 
     def _touch(self, entry: CachedState) -> None:
-        self._entries.move_to_end(entry.tokens)
+        self._entries.move_to_end(entry.key)
+
+    def _candidates(self) -> tuple[Candidate, ...]:
+        return tuple((entry.key, entry.floor) for entry in self._entries.values())
+
+    def _publish(self) -> None:
+        """What `peek` reads (the event loop): the entries as they are now, least recently used first."""
+        self._published = self._candidates()
 
     # --- hits ------------------------------------------------------------------------------------
-    def lookup(self, prefix: Sequence[int], boundary: int | None) -> StateHit | None:
-        """The entry that covers the most of `prefix` (tokens after the head), or None.
+    def lookup(self, prefix: Sequence[int], boundary: int | None, *, kind: str = STATE) -> StateHit | None:
+        """The entry of `kind` that covers the most of `prefix`, or None (the rules: `best_hit`).
+        A state's prefix follows the head; a chat's is its whole prompt."""
+        found = best_hit(self._candidates(), kind, prefix, boundary, self.partial)
+        return StateHit(self._entries[found[0]], found[1]) if found is not None else None
 
-        Exact hits need an entry whose tokens begin `prefix`: the request's own boundary first (one
-        dictionary look-up), then, on models that allow partial hits, any entry's common prefix."""
-        best: StateHit | None = None
-        if boundary is not None:
-            entry = self._entries.get(tuple(prefix[:boundary]))
-            if entry is not None:
-                best = StateHit(entry, boundary)
-        if self.partial and best is None:
-            for entry in self._entries.values():
-                # At least one token of the prefix is left to decode: the state's last position
-                # must be computed again where the copy is cut, and a whole prefix is never all cached
-                # unless it ends exactly at an entry.
-                length = min(_common_prefix(entry.tokens, prefix), len(prefix) - 1)
-                if length >= MIN_PARTIAL_HIT and (best is None or length > best.length):
-                    best = StateHit(entry, length)
-        return best
+    def peek(self, prefix: Sequence[int], boundary: int | None, *, kind: str = STATE) -> int:
+        """Tokens of `prefix` a lookup would serve now, for admission on the event loop: read from the
+        keys published after the last change (an immutable tuple), so it never races the engine
+        thread; an estimate (the entry may be gone when the work starts)."""
+        found = best_hit(self._published, kind, prefix, boundary, self.partial)
+        return found[1] if found is not None else 0
 
     def take(self, hit: StateHit, seq: int) -> None:
         """Copy a hit into `seq` (cut to the hit's length if it is shorter than the entry) and pin it."""
         self._memory.seq_copy(hit.entry.seq, seq)
         if hit.length < hit.entry.cells:
-            self._memory.seq_truncate(seq, self.head + hit.length)
+            self._memory.seq_truncate(seq, hit.entry.start + hit.length)
         hit.entry.pins += 1
         self._touch(hit.entry)
-        self._metrics.cache_lookups.labels("state", "hit").inc()
-        self._metrics.cache_tokens.labels("state").inc(hit.length)
+        self._metrics.cache_lookups.labels(hit.entry.kind, "hit").inc()
+        self._metrics.cache_tokens.labels(hit.entry.kind).inc(hit.length)
 
-    def missed(self) -> None:
-        self._metrics.cache_lookups.labels("state", "miss").inc()
+    def missed(self, kind: str = STATE) -> None:
+        self._metrics.cache_lookups.labels(kind, "miss").inc()
 
     def unpin(self, entry: CachedState) -> None:
         entry.pins -= 1
         assert entry.pins >= 0, "an entry was unpinned more often than pinned"
 
     # --- keeping ---------------------------------------------------------------------------------
-    def store(self, tokens: Sequence[int], seq: int, *, longer: bool = False) -> bool:
-        """Keep a copy of `seq`, which holds the head and `tokens` (and more after them if `longer`:
-        the copy is cut, on models that allow it). False when it did not fit (or is already kept):
-        a cache never takes what running work needs."""
-        key = tuple(tokens)
-        if not key or key in self._entries:
+    def store(self, tokens: Sequence[int], seq: int, *, longer: bool = False, kind: str = STATE) -> bool:
+        """Keep a copy of `seq`, which holds `tokens` (after the head, for a state; and more after
+        them if `longer`: the copy is cut, on models that allow it). False when it did not fit (or
+        is already kept): a cache never takes what running work needs."""
+        key = (kind, tuple(tokens))
+        if not self._make_room(key):
             return False
-        if len(key) > self.max_cells:
-            return False
-        while len(self._entries) >= self.max_seqs or self.cells + len(key) > self.max_cells:
-            if self.evict_one() is None:
-                return False
         copy = self._pool.take_free()
         if copy is None:
             return False
         self._memory.seq_copy(seq, copy)
+        start = self.head if kind == STATE else 0
         if longer:
             assert self.partial, "only a model that allows partial hits may cut a copy"
-            self._memory.seq_truncate(copy, self.head + len(key))
-        self._entries[key] = CachedState(key, copy)
-        self._metrics.cache_stores.labels("state").inc()
+            self._memory.seq_truncate(copy, start + len(key[1]))
+        self._add(CachedState(key[1], copy, kind=kind, start=start, prompt_tokens=len(key[1])))
         return True
+
+    def adopt(
+        self, tokens: Sequence[int], seq: int, *, prompt_tokens: int, replaces: CachedState | None = None
+    ) -> bool:
+        """Keep `seq` itself as a chat turn holding `tokens` (its prompt's `prompt_tokens`, then what
+        it generated) from position 0: a finished chat hands its sequence over, nothing is copied.
+        `replaces`, the turn it continued, goes first if nobody else has it pinned: a conversation
+        keeps its latest turn. False when it does not fit: the caller still owns `seq`."""
+        if replaces is not None:
+            self.drop(replaces)
+        key = (CHAT, tuple(tokens))
+        if not self._make_room(key):
+            return False
+        self._add(CachedState(key[1], seq, kind=CHAT, start=0, prompt_tokens=prompt_tokens))
+        return True
+
+    def _make_room(self, key: Key) -> bool:
+        """Evict least recently used entries until `key` fits the budget; False if it cannot (or is
+        kept already)."""
+        cells = len(key[1])
+        if not cells or key in self._entries or cells > self.max_cells:
+            return False
+        while len(self._entries) >= self.max_seqs or self.cells + cells > self.max_cells:
+            if self.evict_one() is None:
+                return False
+        return True
+
+    def _add(self, entry: CachedState) -> None:
+        self._entries[entry.key] = entry
+        self._metrics.cache_stores.labels(entry.kind).inc()
+        self._publish()
+
+    def drop(self, entry: CachedState) -> None:
+        """Evict this entry now, if it is still kept and nobody has it pinned."""
+        if not entry.pins and self._entries.get(entry.key) is entry:
+            self._evict(entry)
 
     def evict_one(self) -> int | None:
         """Drop the least recently used unpinned entry; the cells it held, or None if none can go."""
-        for key, entry in self._entries.items():
+        for entry in self._entries.values():
             if not entry.pins:
-                del self._entries[key]
-                self._pool.release(self._memory, entry.seq)
-                self._metrics.cache_evictions.labels("state").inc()
+                self._evict(entry)
                 return entry.cells
         return None
+
+    def _evict(self, entry: CachedState) -> None:
+        del self._entries[entry.key]
+        self._pool.release(self._memory, entry.seq)
+        self._metrics.cache_evictions.labels(entry.kind).inc()
+        self._publish()
 
     def clear(self) -> None:
         """Forget every entry without touching memory (it was cleared, the pool reset)."""
         self._entries.clear()
+        self._publish()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    limit = min(len(a), len(b))
-    length = 0
-    while length < limit and a[length] == b[length]:
-        length += 1
-    return length
+def best_hit(
+    candidates: Iterable[Candidate], kind: str, prefix: Sequence[int], boundary: int | None, partial: bool
+) -> tuple[Key, int] | None:
+    """The key among `candidates` whose entry serves the most of `prefix`, and how many tokens: the
+    one rule of `StateCache.lookup` and `StateCache.peek`.
+
+    - exact, a state: the entry is the request's prefix up to its own canonical `boundary`;
+    - exact, a chat turn: the entry begins the prompt and leaves one token of it at least to decode
+      (the first token is sampled from the prompt's last position);
+    - partial (models that allow it): the longest common prefix with an entry, at least
+      `MIN_PARTIAL_HIT` tokens, and one token of the prefix left to decode: the last position must
+      be computed again where the copy is cut;
+    - a chat turn serves only a prompt that continues its conversation: one that covers its whole
+      prompt (`floor`). So a first turn, or the same request sent again, is prefilled whole, the
+      way it was the first time, and gives the same answer again; conversations that merely share
+      a system prompt do not share its cells.
+    """
+    wanted = tuple(prefix)
+    best: tuple[Key, int] | None = None
+    for key, floor in candidates:
+        entry_kind, tokens = key
+        if entry_kind != kind:
+            continue
+        length = 0
+        size = len(tokens)
+        # A state's exact hit ends at its own boundary; a chat turn's leaves a token to decode.
+        exact_size = boundary == size if kind == STATE else size < len(wanted)
+        if exact_size and wanted[:size] == tokens:
+            length = size
+        elif partial:
+            common = min(_common_prefix(tokens, wanted), len(wanted) - 1)
+            length = common if common >= MIN_PARTIAL_HIT else 0
+        if length < floor:
+            length = 0
+        if length and (best is None or length > best[1]):
+            best = (key, length)
+    return best
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix, by bisection over slice comparisons (each one in C)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high:  # a[:low] == b[:low], a[:high + 1] != b[:high + 1]
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class RepeatCache:
-    """Raw readouts of prompts already answered, bounded, least recently used first."""
+    """Raw readouts of prompts already answered, bounded, least recently used first. Its lock lets
+    admission ask `peek` from the event loop while the engine thread reads and writes."""
 
     def __init__(self, max_entries: int, *, metrics: Any) -> None:
         self.max_entries = max_entries
         self._metrics = metrics
         self._entries: OrderedDict[bytes, dict[Any, Any]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def peek(self, key: bytes) -> bool:
+        """Whether `key` is kept now (admission's estimate; no hit is counted)."""
+        with self._lock:
+            return key in self._entries
+
     def get(self, key: bytes) -> dict[Any, Any] | None:
-        outputs = self._entries.get(key)
+        with self._lock:
+            outputs = self._entries.get(key)
+            if outputs is not None:
+                self._entries.move_to_end(key)
         self._metrics.cache_lookups.labels("repeat", "miss" if outputs is None else "hit").inc()
-        if outputs is None:
-            return None
-        self._entries.move_to_end(key)
-        return dict(outputs)
+        return None if outputs is None else dict(outputs)
 
     def put(self, key: bytes, outputs: dict[Any, Any]) -> None:
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        self._entries[key] = dict(outputs)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+            self._entries[key] = dict(outputs)
+            evicted = 0
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+                evicted += 1
         self._metrics.cache_stores.labels("repeat").inc()
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-            self._metrics.cache_evictions.labels("repeat").inc()
+        if evicted:
+            self._metrics.cache_evictions.labels("repeat").inc(evicted)
 
 
 def prompt_digest(namespace: str, tokens: Sequence[int]) -> hashlib.blake2b:

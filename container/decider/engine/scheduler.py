@@ -156,8 +156,10 @@ class Scheduler:
 
     def enqueue(self, kind: str, request_id: str, work: Work, *, arrived_at: float | None = None) -> Job:
         """Admit and submit in one call, so no cancellation can fall between the two (a job admitted
-        and never submitted would count as waiting forever). The job's `future` is the outcome."""
-        job = self.admit(kind, request_id, work.cost, least=work.least_cost, arrived_at=arrived_at)
+        and never submitted would count as waiting forever). The job's `future` is the outcome. Its
+        costs leave out what the caches hold now (`Work.costs_given`: a peek, an estimate)."""
+        cost, least = work.costs_given(self.loop.caches)
+        job = self.admit(kind, request_id, cost, least=least, arrived_at=arrived_at)
         job.future = self.submit(job, work)
         return job
 

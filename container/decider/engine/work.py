@@ -1,4 +1,5 @@
-"""Units of engine work as state machines over decode steps: a decision request, a chat completion.
+"""Units of engine work as state machines over decode steps: the protocol, and a decision request
+(a chat completion is `decider.engine.chat.ChatWork`).
 
 A work never calls `llama_decode` itself. Each step, the scheduler asks it for rows (`plan_step`)
 within the step's token, sequence and memory-cell budgets; after the decode, each row's `on_done`
@@ -15,24 +16,13 @@ models cannot truncate). Fresh mode decodes each question's whole prompt in its 
 
 from __future__ import annotations
 
-import codecs
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from decider.engine import chat_options
-from decider.engine.admission import ChatLengths
-from decider.engine.cost import Cost, span_attended
+from decider.engine.cost import Cost
 from decider.engine.decisions import DecisionOutcome, DecisionPlan, DecisionPlanner, Item, Prefix, StatePlan
-from decider.engine.generation import (
-    FinishReason,
-    GenerationEvent,
-    GenerationUsage,
-    StopFilter,
-    free_sampler,
-    make_sampler,
-)
 from decider.engine.labels import READOUT_CHAIN
 from decider.engine.native import OutputSpec, Row
 from decider.engine.prefix_cache import CachedState, Caches, prompt_digest, repeat_key
@@ -75,6 +65,10 @@ class Work(Protocol):
     @property
     def least_cost(self) -> Cost:
         """What it costs the engine at least (whether it can meet its own deadline)."""
+        ...
+
+    def costs_given(self, caches: Caches | None) -> tuple[Cost, Cost]:
+        """`cost` and `least_cost` less what the caches hold now (admission, before it is submitted)."""
         ...
 
     @property
@@ -281,8 +275,7 @@ class DecisionWork:
         if repeats is None or self.plan.mode != "shared" or not state.pending:
             return
         assert caches is not None
-        namespace = f"{caches.namespace}|extensions={bool(self.plan.options.extensions)}"
-        state.digest = prompt_digest(namespace, state.plan.prefix)
+        state.digest = self._digest(state, caches)
         for item in list(state.pending):
             outputs = repeats.get(self._repeat_key(state, item))
             if outputs is None:
@@ -293,9 +286,34 @@ class DecisionWork:
             state.open_items -= 1
             state.repeated += len(item.tokens)
 
+    def _digest(self, state: _StateRun, caches: Caches) -> Any:
+        namespace = f"{caches.namespace}|extensions={bool(self.plan.options.extensions)}"
+        return prompt_digest(namespace, state.plan.prefix)
+
     @staticmethod
-    def _repeat_key(state: _StateRun, item: Item) -> bytes:
-        return repeat_key(state.digest, item.tokens, [label.tokens for label in item.labels], item.readout)
+    def _repeat_key(state: _StateRun, item: Item, digest: Any = None) -> bytes:
+        prefix = digest if digest is not None else state.digest
+        return repeat_key(prefix, item.tokens, [label.tokens for label in item.labels], item.readout)
+
+    def costs_given(self, caches: Caches | None) -> tuple[Cost, Cost]:
+        """What it costs beside what the caches hold now: each state's kept prefix and the items that
+        are exact repeats decode nothing. Admission asks it on the event loop before the work is
+        submitted; both caches answer a peek (decider.engine.prefix_cache), so it is an estimate."""
+        if caches is None or self.plan.mode != "shared":
+            return self.cost, self.least_cost
+        cached: list[int] = []
+        repeated: list[set[int]] = []
+        for state in self.states:
+            cached.append(caches.states.peek(state.plan.prefix, state.boundary) if caches.states else 0)
+            answered: set[int] = set()
+            if caches.repeats is not None and state.plan.items:
+                digest = self._digest(state, caches)
+                for index, item in enumerate(state.plan.items):
+                    if caches.repeats.peek(self._repeat_key(state, item, digest)):
+                        answered.add(index)
+            repeated.append(answered)
+        cost = self.plan.cost_given(cached, repeated)
+        return cost, cost
 
     def _remember(self, state: _StateRun, item: Item) -> None:
         repeats = self._caches.repeats if self._caches is not None else None
@@ -551,230 +569,3 @@ class DecisionWork:
             state.open_items = 0
             state.opened = 0
             self._release(seqs, state, state.decoded - state.released)
-
-
-# --- chat ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ChatPlan:
-    prompt: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    grammar: str | None = None  # GBNF constraining the output (response_format; chat_options)
-    top_logprobs: int | None = None  # None: no logprobs; else logprobs with this many alternatives
-
-    @property
-    def cost(self) -> Cost:
-        """The prefill, then one decode per generated token (each costs a whole step), up to max_tokens
-        (what it may take; admission counts a running chat at the length chats have been generating)."""
-        prompt = len(self.prompt)
-        return Cost(1 + self.max_tokens, prompt + self.max_tokens, span_attended(0, prompt + self.max_tokens))
-
-    @property
-    def least_cost(self) -> Cost:
-        """The prefill and the first token: a generation may end at any token."""
-        return Cost(1, len(self.prompt), span_attended(0, len(self.prompt)))
-
-
-class Sampling(Memory, Protocol):
-    def sample(self, sampler: Any, batch_index: int) -> int: ...
-
-    def piece(self, token: int, *, special: bool = False) -> bytes: ...
-
-    def is_eog(self, token: int) -> bool: ...
-
-
-class ChatWork:
-    """One chat completion: prefill the prompt in its own sequence, then one token per step.
-
-    It reserves its prompt's cells when it starts and takes one more for each token it decodes,
-    when it decodes it: cells are never held for an answer not generated yet. A step with no free
-    cell for its next token pauses it, or the scheduler stops it (`stop_for_cells`)."""
-
-    kind = "chat"
-
-    def __init__(self, plan: ChatPlan, emit: Callable[[GenerationEvent], None] | None = None) -> None:
-        self.plan = plan
-        self._emit = emit
-        self.decodes = 0
-        self.timing: dict[str, float] = {}
-        self._seq: int | None = None
-        self._decoded = 0
-        self._dead = 0
-        self._prefilled = 0
-        self._position = 0
-        self._last: int | None = None
-        self._produced = 0
-        self._parts: list[str] = []
-        self._finish: FinishReason | None = None
-        self._cut = False  # stopped for lack of memory cells, not by the model or max_tokens
-        self._sampler: Any = None
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stops = StopFilter(plan.stop)
-        self.logprobs: list[chat_options.TokenLogprob] = []  # with plan.top_logprobs, one per token
-
-    @property
-    def cost(self) -> Cost:
-        return self.plan.cost
-
-    @property
-    def least_cost(self) -> Cost:
-        return self.plan.least_cost
-
-    @property
-    def started(self) -> bool:
-        return self._seq is not None or self._finish is not None
-
-    @property
-    def wants_start(self) -> bool:
-        return not self.started
-
-    @property
-    def cells_wanted(self) -> int:
-        """Cells its next step takes beyond its reservation: one while it generates."""
-        return 1 if self._seq is not None and self._last is not None else 0
-
-    @property
-    def natural_end(self) -> tuple[int, bool] | None:
-        """(tokens generated, whether the model stopped it) once it ended by itself (a stop, or its
-        max_tokens); None when it was cancelled, failed or cut for lack of cells."""
-        if self._finish in ("stop", "length") and not self._cut:
-            return self._produced, self._finish == "stop"
-        return None
-
-    def cost_left(self, lengths: ChatLengths) -> list[Cost]:
-        """What is left of it: the rest of its prompt (one step), and the tokens it is expected to
-        generate still (a step each), at the length chats have been generating."""
-        if self._finish is not None:
-            return []
-        prompt = len(self.plan.prompt)
-        pieces = []
-        if self._prefilled < prompt:
-            rest = prompt - self._prefilled
-            pieces.append(Cost(1, rest, span_attended(self._prefilled, rest)))
-        expected = lengths.expected_total(self.plan.max_tokens, self._produced)
-        if (left := expected - self._produced) > 0:
-            pieces.append(Cost(left, left, span_attended(prompt + self._produced, left)))
-        return pieces
-
-    def footprint(self) -> Footprint:
-        """A generation never waits for another sequence, and its cells are its own: a memory epoch
-        may end while it runs. Reserved (`future`): the prompt not decoded yet, no more."""
-        if self._seq is None:
-            return Footprint(dead=self._dead)
-        future = len(self.plan.prompt) - self._prefilled
-        return Footprint(live=self._decoded, future=future, dead=self._dead, seqs=(self._seq,))
-
-    @property
-    def finished(self) -> bool:
-        return self._finish is not None
-
-    def outcome(self) -> tuple[str, FinishReason, GenerationUsage]:
-        assert self._finish is not None
-        return "".join(self._parts), self._finish, self._usage()
-
-    def _usage(self) -> GenerationUsage:
-        return GenerationUsage(prompt_tokens=len(self.plan.prompt), completion_tokens=self._produced)
-
-    def plan_step(self, step: Step) -> None:
-        if self._finish is not None:
-            return
-        if self._seq is None:
-            # The prompt's cells are reserved up front; each generated token takes its own later.
-            if not step.try_start(Unit.CHAT, len(self.plan.prompt), holds_sequence=True):
-                return
-            self._seq = step.seqs.acquire()
-            grammar = None
-            if self.plan.grammar is not None:  # checked while planning: llama.cpp accepts it
-                grammar = chat_options.grammar_sampler(step.memory.vocab, self.plan.grammar)  # type: ignore[attr-defined]
-            self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed, grammar)
-        assert self._seq is not None
-        prompt = self.plan.prompt
-        if self._prefilled < len(prompt):
-            take = step.take(len(prompt) - self._prefilled, alone=True)
-            if take <= 0:
-                return
-            start = self._prefilled
-            last = start + take == len(prompt)
-            row = Row(self._seq, prompt[start : start + take], start, OutputSpec() if last else None)
-            self._add(step, row, lambda done: self._after_prefill(step, take, done, last))
-        elif self._last is not None and step.tokens_left and step.take_cells(1):
-            row = Row(self._seq, [self._last], self._position, OutputSpec())
-            self._last = None
-            self._position += 1
-            self._add(step, row, lambda done: self._sampled(step, done))
-
-    def _add(self, step: Step, row: Row, on_done: Callable[[Row], None]) -> None:
-        def done(finished: Row) -> None:
-            self._decoded += len(finished.tokens)
-            on_done(finished)
-
-        step.add(self, row, done)
-        self.decodes += 1
-
-    def _after_prefill(self, step: Step, take: int, done: Row, last: bool) -> None:
-        self._prefilled += take
-        self._position = self._prefilled
-        if last:
-            self._sampled(step, done)
-
-    def _sampled(self, step: Step, done: Row) -> None:
-        assert done.result is not None
-        runtime: Sampling = step.memory  # type: ignore[assignment]
-        token = runtime.sample(self._sampler, done.result.batch_index)
-        if runtime.is_eog(token):
-            self._end(step.memory, step.seqs, "stop")
-            return
-        if self.plan.top_logprobs is not None:  # before the text event that carries this token
-            logits = runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
-            self.logprobs.append(
-                chat_options.token_logprobs(logits, token, self.plan.top_logprobs, runtime.piece)
-            )
-        self._produced += 1
-        text, stop_hit = self._stops.push(self._decoder.decode(runtime.piece(token)))
-        self._say(text)
-        if stop_hit:
-            self._end(step.memory, step.seqs, "stop", flush=False)
-        elif self._produced >= self.plan.max_tokens:
-            self._end(step.memory, step.seqs, "length")
-        else:
-            self._last = token
-
-    def _say(self, text: str) -> None:
-        if text:
-            self._parts.append(text)
-            if self._emit is not None:
-                self._emit(GenerationEvent(text=text))
-
-    def stop_for_cells(self, memory: Memory, seqs: SeqPool) -> None:
-        """End now with finish_reason "length": the context has no cell left for its next token."""
-        if self._finish is None:
-            self._cut = True
-            self._end(memory, seqs, "length")
-
-    def _end(self, memory: Memory, seqs: SeqPool, reason: FinishReason, *, flush: bool = True) -> None:
-        if flush:
-            # Whatever was held back as a possible stop prefix (or an unfinished character) is text.
-            text, stop_hit = self._stops.push(self._decoder.decode(b"", final=True))
-            self._say(text if stop_hit else text + self._stops.flush())
-        self._finish = reason
-        self._release(memory, seqs)
-        if self._emit is not None:
-            self._emit(GenerationEvent(finish_reason=reason, usage=self._usage()))
-
-    def _release(self, memory: Memory, seqs: SeqPool) -> None:
-        if self._seq is not None:
-            seqs.release(memory, self._seq)
-            self._seq = None
-            if seqs.epochs:
-                self._dead += self._decoded
-        if self._sampler is not None:
-            free_sampler(self._sampler)
-            self._sampler = None
-
-    def abandon(self, memory: Memory, seqs: SeqPool) -> None:
-        self._release(memory, seqs)
-        if self._finish is None:
-            self._finish = "cancelled"

@@ -17,9 +17,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from decider.engine.chat import ChatPlan
 from decider.engine.generation import GenerationEvent
 from decider.engine.jobs import ClientGoneError, Job, deadline_error
-from decider.engine.work import ChatPlan, ChatWork
 from decider.errors import DeciderError, RequestError, internal_error
 from decider.schemas.chat import (
     AssistantMessage,
@@ -192,7 +192,7 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
     release_intake(request)
     if chat.stream:
         return await _stream_chat(runtime, request, engine, chat, plan)
-    work = ChatWork(plan)
+    work = engine.chat_work(plan)
     text, finish, usage = await run_until_disconnect(runtime, request, "chat", work)
     _count_chat_tokens(runtime, usage)
     choice = Choice(
@@ -205,7 +205,7 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
         created=now_seconds(),
         model=engine.model_info.id,
         choices=[choice],
-        usage=Usage.of(usage.prompt_tokens, usage.completion_tokens),
+        usage=Usage.of(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
     )
     return JSONResponse(completion.model_dump(mode="json"))
 
@@ -261,7 +261,7 @@ async def _stream_chat(
         if (exc := future.exception()) is not None:
             loop.call_soon_threadsafe(events.put_nowait, _Failure(exc))
 
-    work = ChatWork(plan, emit)
+    work = engine.chat_work(plan, emit)
     job = enqueue(runtime, request, "chat", work)
     assert job.future is not None
     job.future.add_done_callback(relay_failure)
@@ -312,7 +312,8 @@ async def _stream_chat(
                     finish = _wire_finish(event.finish_reason)
                     yield sse_chunk({}, finish_reason=finish, logprobs=new_logprobs())
                     if include_usage:
-                        usage = Usage.of(event.usage.prompt_tokens, event.usage.completion_tokens)
+                        done = event.usage
+                        usage = Usage.of(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
                         yield sse_chunk({}, usage=usage, usage_only=True)
                     break
                 event = await next_event()

@@ -101,11 +101,12 @@ class ServerMetrics:
             buckets=(1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096),
             registry=r,
         )
-        # What the engine keeps across requests (decider.engine.prefix_cache): cache = state | repeat.
+        # What the engine keeps across requests (decider.engine.prefix_cache): cache = state | chat
+        # (kept sequences: decision states, chat turns) | repeat.
         self.cache_lookups = Counter(
             "decider_cache_lookups",
-            "Look-ups of kept states (per decision state started) and exact repeats (per prompt), by "
-            "outcome (hit, miss).",
+            "Look-ups of kept states (per decision state started), kept chat turns (per chat started) "
+            "and exact repeats (per prompt), by outcome (hit, miss).",
             ["cache", "outcome"],
             registry=r,
         )
@@ -114,13 +115,14 @@ class ServerMetrics:
         )
         self.cache_evictions = Counter(
             "decider_cache_evictions",
-            "Entries dropped: least recently used, for running work (state) or over the bound (repeat).",
+            "Entries dropped: least recently used, for running work or the budget (state, chat), replaced "
+            "by a conversation's next turn (chat), or over the bound (repeat).",
             ["cache"],
             registry=r,
         )
         self.cache_tokens = Counter(
             "decider_cache_tokens",
-            "Prompt tokens read from kept states instead of decoded.",
+            "Prompt tokens read from kept states and chat turns instead of decoded.",
             ["cache"],
             registry=r,
         )

@@ -49,6 +49,8 @@ class Engine(Protocol):
 
     def chat_plan(self, messages: list[dict[str, str]], **params: Any) -> Any: ...
 
+    def chat_work(self, plan: Any, emit: Any = None) -> Any: ...
+
 
 EngineLoader = Callable[[Settings], Engine]
 
