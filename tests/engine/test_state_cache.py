@@ -26,7 +26,7 @@ from decider.engine.native import Row
 from decider.engine.prefix_cache import CHAT, MIN_PARTIAL_HIT, STATE, RepeatCache, StateCache
 from decider.engine.scheduler import NoMetrics
 from decider.engine.steps import SeqPool, Step, Unit
-from decider.invariance import HEAD_SEQ
+from decider.invariance import HEAD_SEQ, TILED_MM_ENV
 from decider.schemas.decision import DecisionResponse, parse_decision_request
 from decider.server.answers import decision_response
 from decider.settings import Settings
@@ -370,7 +370,13 @@ def test_a_grown_state_is_a_miss_on_the_hybrid_model(qwen35: DecisionEngine) -> 
 
 
 @pytest.mark.model
-def test_a_sliding_window_model_takes_exact_hits_only(gemma3_path: Path) -> None:
+def test_a_sliding_window_model_takes_exact_hits_only(
+    gemma3_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ggml reads the K-quant kernel choice once per process, at the first K-quant matmul: this
+    # default engine must not make it for a batch-invariant Gemma engine that a later test of the
+    # same worker loads (test_engine_configs.py compares its answers bit for bit).
+    monkeypatch.setenv(TILED_MM_ENV, "1")
     for engine in load(gemma3_path, n_ctx=4096, max_state_tokens=2048):
         assert not engine.runtime.partial_reuse and engine.runtime.n_swa > 0
         body = unique(EXAMPLE)

@@ -230,7 +230,9 @@ def test_admission_counts_only_what_kept_states_and_chat_turns_leave_to_decode()
     state = "y" * 1500
     other = {"urgent": {"type": "noul", "instructions": "Is it urgent, or can it wait until tomorrow?"}}
     decisions = (_work_on(engine, state, QUESTIONS), _work_on(engine, state, other))
-    miss_then_hit("decision", *decisions, lambda response: response.extensions["cached_tokens"])
+    miss_then_hit(
+        "decision", *decisions, lambda outcome: decision_response(outcome).extensions["cached_tokens"]
+    )
     earlier = list(range(1000, 2500))
     turns = (
         ChatWork(ChatPlan([*earlier, 7, 7, 7], max_tokens=1, boundary=len(earlier))),
