@@ -264,3 +264,21 @@ def test_server_survived_the_schemas(live_server: LocalServer) -> None:
     if isinstance(live_server, LocalServer):
         assert live_server.process.poll() is None
         assert "Traceback" not in live_server.logs()
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "array", "minItems": 6, "maxItems": 1, "items": {"enum": ["a", "b"]}}, ("minItems",)),
+        ({"type": "string", "minLength": 3, "maxLength": 2}, ("minLength",)),
+        ({"enum": ["a\u0000b"]}, ("enum",)),
+        ({"properties": {"k": {"const": {"x": "\u0000"}}}}, ("properties", "k", "enum")),
+    ],
+)
+def test_schemas_that_abort_llama_cpps_sampler_are_refused(schema, where) -> None:
+    """Both kinds made the server abort ("Unexpected empty grammar stack after accepting piece"),
+    found by the generated-schema fuzz: a minimum above its maximum, and a NUL in an enum/const."""
+    with pytest.raises(GrammarLimitError) as refused:
+        check_schema(schema, GrammarLimits())
+    assert refused.value.path == where
+    check_schema({"enum": ["a\\u0000"]}, GrammarLimits())  # the six characters, not a NUL: fine

@@ -60,6 +60,8 @@ def check_schema(schema: Any, limits: GrammarLimits) -> None:
         for key in BOUND_KEYWORDS:
             used += _bound_cost(node.get(key))
             _check_budget(used, limits, (*path, key))
+        _check_satisfiable_bounds(node, path)
+        _check_no_nul(node, path)
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             used += pattern_cost(pattern)
@@ -67,6 +69,42 @@ def check_schema(schema: Any, limits: GrammarLimits) -> None:
         _check_optional_properties(node, limits, path)
         children = [(child, (*path, key)) for key, child in node.items() if isinstance(child, dict | list)]
         stack.extend(reversed(children))  # walked in document order: the first field past the budget
+
+
+def _check_satisfiable_bounds(node: dict[str, Any], path: Path) -> None:
+    """A minimum above its maximum builds a grammar llama.cpp's sampler aborts the process on
+    ("Unexpected empty grammar stack"): refused here."""
+    for low, high in (
+        ("minLength", "maxLength"),
+        ("minItems", "maxItems"),
+        ("minProperties", "maxProperties"),
+    ):
+        lo, hi = node.get(low), node.get(high)
+        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+            raise GrammarLimitError(f"{low} {lo} is above {high} {hi}: no value can match", (*path, low))
+
+
+def _check_no_nul(node: dict[str, Any], path: Path) -> None:
+    """A NUL character in an `enum` or `const` string ends the grammar text early in llama.cpp (a C
+    string), and its sampler then aborts the process: refused here."""
+    values = list(node.get("enum") or []) if isinstance(node.get("enum"), list) else []
+    if "const" in node:
+        values.append(node["const"])
+    for value in values:
+        if _has_nul(value):
+            raise GrammarLimitError(
+                "a NUL character in an enum or const value is not supported", (*path, "enum")
+            )
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 def _bound_cost(value: Any) -> int:
