@@ -48,9 +48,12 @@ def test_logprobs_and_top_logprobs(live_server: LocalServer) -> None:
         if chunk.choices and chunk.choices[0].logprobs
         for entry in chunk.choices[0].logprobs.content
     ]
-    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [
-        (e.token, round(e.logprob, 5)) for e in entries
-    ]
+    # The same tokens; the log-probabilities agree to the kernels' batch-dependence. With the default
+    # (non-invariant) kernels a token's logits depend on where its cells sit, and the first chat's
+    # turn is kept (decider.engine.chat), so the second request is prefilled in other cells. Measured
+    # on the image's long-lived server: -0.603 against -0.558 on the 6th token.
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=0.1)
     bare = client.chat.completions.create(**params)
     assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * len(entries)
     plain = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=6, temperature=0)
