@@ -28,36 +28,63 @@ def _client(server: LocalServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_logprobs_and_top_logprobs(live_server: LocalServer) -> None:
-    client = _client(live_server)
-    params = {"model": "", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
-    completion = client.chat.completions.create(**params, top_logprobs=3)
-    choice = completion.choices[0]
-    entries = choice.logprobs.content
-    assert completion.usage is not None and len(entries) == completion.usage.completion_tokens
-    assert b"".join(bytes(entry.bytes) for entry in entries).decode() == choice.message.content
+def _check_logprobs(entries: list, content: str | None, completion_tokens: int) -> None:
+    """One answer's logprobs: a token each, bytes that spell the content, the top 3 sorted with the
+    chosen (greedy) token first."""
+    assert len(entries) == completion_tokens
+    assert b"".join(bytes(entry.bytes) for entry in entries).decode() == content
     for entry in entries:
         assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 3
         tops = [top.logprob for top in entry.top_logprobs]
         assert tops == sorted(tops, reverse=True)
         assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the likeliest
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
-    streamed = [
-        entry
-        for chunk in client.chat.completions.create(**params, top_logprobs=3, stream=True)
-        if chunk.choices and chunk.choices[0].logprobs
-        for entry in chunk.choices[0].logprobs.content
-    ]
-    # The same tokens; the log-probabilities agree to the kernels' batch-dependence. With the default
-    # (non-invariant) kernels a token's logits depend on where its cells sit, and the first chat's
-    # turn is kept (decider.engine.chat), so the second request is prefilled in other cells. Measured
-    # on the image's long-lived server: -0.603 against -0.558 on the 6th token.
-    assert [e.token for e in streamed] == [e.token for e in entries]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=0.1)
-    bare = client.chat.completions.create(**params)
-    assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * len(entries)
+
+
+def _streamed(client: openai.OpenAI, params: dict) -> tuple[list, str, int]:
+    """A streamed answer's logprob entries, its text and its completion tokens (the usage chunk)."""
+    entries, parts, usage = [], [], None
+    for chunk in client.chat.completions.create(
+        **params, stream=True, stream_options={"include_usage": True}
+    ):
+        usage = chunk.usage or usage
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            if chunk.choices[0].logprobs:
+                entries.extend(chunk.choices[0].logprobs.content)
+    assert usage is not None
+    return entries, "".join(parts), usage.completion_tokens
+
+
+GREEDY = {"model": "", "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True}
+
+
+def test_logprobs_and_top_logprobs(live_server: LocalServer) -> None:
+    """Plain and streamed, each consistent in itself. Across requests they need not agree with the
+    default kernels: a token's logits depend on where its cells sit, and kept chat turns and states
+    move the next request's cells (bit for bit only with DECIDER_BATCH_INVARIANT, the next test)."""
+    client = _client(live_server)
+    completion = client.chat.completions.create(**GREEDY, top_logprobs=3)
+    choice = completion.choices[0]
+    assert completion.usage is not None
+    _check_logprobs(choice.logprobs.content, choice.message.content, completion.usage.completion_tokens)
+    _check_logprobs(*_streamed(client, {**GREEDY, "top_logprobs": 3}))
+    bare = client.chat.completions.create(**GREEDY).choices[0].logprobs.content
+    assert bare and all(entry.top_logprobs == [] for entry in bare)
     plain = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=6, temperature=0)
-    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content
+
+
+def test_greedy_chats_agree_bit_for_bit_with_batch_invariant_kernels(invariant_server: LocalServer) -> None:
+    """With DECIDER_BATCH_INVARIANT=true the same greedy chat, plain, streamed and without logprobs,
+    gives the same tokens and the same log-probabilities, however many requests came before."""
+    client = _client(invariant_server)
+    completion = client.chat.completions.create(**GREEDY, top_logprobs=3)
+    entries = completion.choices[0].logprobs.content
+    streamed, text, _ = _streamed(client, {**GREEDY, "top_logprobs": 3})
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    plain = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=6, temperature=0)
+    assert plain.choices[0].message.content == text == completion.choices[0].message.content
 
 
 def test_response_format_json_schema_constrains_the_output(live_server: LocalServer) -> None:
