@@ -45,10 +45,16 @@ class CacheBudget:
     state_cells: int = 0
     state_seqs: int = 0
     repeat_entries: int = 0
+    host_bytes: int = 0  # kept states saved to host memory when evicted (0: no host tier)
 
     @property
     def states(self) -> bool:
         return self.state_cells > 0 and self.state_seqs > 0
+
+    @property
+    def host(self) -> bool:
+        """A host tier behind the kept states (only where states are kept at all)."""
+        return self.states and self.host_bytes > 0
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,19 @@ class Settings(BaseSettings):
         ge=0,
         le=256,
         description="Sequences kept decision states and chat turns may hold (see state_cache_cells); 0: off.",
+    )
+    state_cache_host_mib: int = Field(
+        2048,
+        ge=0,
+        le=1_048_576,
+        description="Host memory (MiB) for kept states and chat turns evicted from the context "
+        "(llama-server's --cache-ram): an entry evicted for running work or the budget is first saved "
+        "(llama_state_seq_get_data), and a later request it serves restores it (llama_state_seq_set_data, "
+        "under a millisecond against seconds of prefill) instead of decoding it again. Least recently used "
+        "entries go beyond the budget; an entry larger than it is not saved. 0 turns it off; it is off "
+        "whenever state_cache_cells or state_cache_seqs is (and so with batch_invariant). Default 2048: "
+        "llama-server's 8192 would be half the 16 GiB of the GPU instance (ml.g6.xlarge), which also holds "
+        "the server, the mapped model file and the request bodies; a ~300-token SmolLM2 state takes ~7 MB.",
     )
     repeat_cache_entries: int = Field(
         4096,
@@ -337,7 +356,9 @@ class Settings(BaseSettings):
     def cache_budget(self) -> CacheBudget:
         """What the engine keeps across requests (state_cache_cells resolved)."""
         cells = self.state_cache_cells if self.state_cache_cells is not None else self.n_ctx // 4
-        return CacheBudget(cells, self.state_cache_seqs, self.repeat_cache_entries)
+        return CacheBudget(
+            cells, self.state_cache_seqs, self.repeat_cache_entries, self.state_cache_host_mib * 1024 * 1024
+        )
 
     @property
     def logical_batch(self) -> int:

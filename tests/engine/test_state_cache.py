@@ -22,6 +22,7 @@ import llama_cpp
 import pytest
 from decider.engine import DecisionEngine, chat_options
 from decider.engine.generation import GenerationUsage
+from decider.engine.host_cache import HostCache
 from decider.engine.native import Row
 from decider.engine.prefix_cache import CHAT, MIN_PARTIAL_HIT, STATE, RepeatCache, StateCache
 from decider.engine.scheduler import NoMetrics
@@ -40,10 +41,13 @@ AGREE = 5e-2
 
 # --- bookkeeping, on fakes ---------------------------------------------------------------------------
 class FakeMemory:
-    """Sequences as position counts; records every operation."""
+    """Records every operation. A saved sequence is `saved_bytes` bytes naming it; a restore fails
+    while `restores_fail` is set."""
 
     def __init__(self) -> None:
         self.ops: list[tuple[Any, ...]] = []
+        self.saved_bytes = 100
+        self.restores_fail = False
 
     def seq_copy(self, src: int, dst: int) -> None:
         self.ops.append(("cp", src, dst))
@@ -54,14 +58,40 @@ class FakeMemory:
     def seq_truncate(self, seq_id: int, position: int) -> None:
         self.ops.append(("cut", seq_id, position))
 
+    def seq_remove_before(self, seq_id: int, position: int) -> None:
+        self.ops.append(("cut below", seq_id, position))
+
+    def seq_save(self, seq_id: int) -> bytes:
+        self.ops.append(("save", seq_id))
+        return bytes([seq_id]) * self.saved_bytes
+
+    def seq_restore(self, seq_id: int, data: bytes) -> bool:
+        self.ops.append(("restore", seq_id, data[0]))
+        return not self.restores_fail
+
 
 def kept(
-    *, partial: bool, seqs: int = 6, max_cells: int = 100, max_seqs: int = 3
+    *,
+    partial: bool,
+    seqs: int = 6,
+    max_cells: int = 100,
+    max_seqs: int = 3,
+    host_bytes: int = 0,
+    metrics: Any = None,
 ) -> tuple[StateCache, SeqPool, FakeMemory]:
     memory = FakeMemory()
     pool = SeqPool(seqs, reserved=[HEAD_SEQ])
+    metrics = metrics or NoMetrics()
+    host = HostCache(host_bytes, metrics=metrics) if host_bytes else None
     cache = StateCache(
-        memory, pool, head=10, max_cells=max_cells, max_seqs=max_seqs, partial=partial, metrics=NoMetrics()
+        memory,
+        pool,
+        head=10,
+        max_cells=max_cells,
+        max_seqs=max_seqs,
+        partial=partial,
+        metrics=metrics,
+        host=host,
     )
     pool.reclaimer = cache
     return cache, pool, memory
@@ -391,9 +421,15 @@ def test_a_sliding_window_model_takes_exact_hits_only(
 @pytest.mark.model
 def test_kept_states_give_way_to_running_work(smollm2_path: Path) -> None:
     """Under pressure the least recently used entries go, for sequences and for cells alike: a request
-    that needs the whole context still runs, and nothing is left pinned."""
+    that needs the whole context still runs, and nothing is left pinned. (Without the host-memory
+    tier, which would bring them back: tests/engine/test_host_tier.py.)"""
     for engine in load(
-        smollm2_path, n_ctx=2048, max_state_tokens=1800, state_cache_seqs=2, state_cache_cells=1500
+        smollm2_path,
+        n_ctx=2048,
+        max_state_tokens=1800,
+        state_cache_seqs=2,
+        state_cache_cells=1500,
+        state_cache_host_mib=0,
     ):
         states = engine._local.loop.caches.states
         bodies = [unique(EXAMPLE, f"Case {i}: " + "the payout failed again. " * 100) for i in range(3)]
@@ -458,6 +494,7 @@ def test_batch_invariance_keeps_repeats_but_no_states(invariant_engine: Decision
     gives in that mode, bit for bit, so repeats are kept."""
     body = unique(EXAMPLE)
     in_case = decide(invariant_engine, body)
+    assert invariant_engine.settings.cache_budget.host  # asked for, yet no host tier: nothing is kept
     assert invariant_engine._local.loop.caches.states is None
     alone = decide(invariant_engine, {**body, "questions": {"anger": body["questions"]["anger"]}})
     assert alone.extensions["decodes"] == 0

@@ -108,6 +108,12 @@ class FakeRuntime:
     def seq_remove(self, seq_id: int) -> None:
         pass
 
+    def seq_save(self, seq_id: int) -> bytes:
+        return bytes(64)
+
+    def seq_restore(self, seq_id: int, data: bytes) -> bool:
+        return True
+
     def clear(self) -> None:
         pass
 

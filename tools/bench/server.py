@@ -44,7 +44,13 @@ all cores), side by side on the same requests:
    Each line has both sides' wall seconds and evaluated tokens (ours: the tokens decoded, from
    /metrics; theirs: `timings.prompt_n`) and the tokens our responses report as cached. Without
    llama-server, our side is printed alone (`decision_vs_text=nan`).
-   `--levels multi_turn`, `repeat` or `hybrid` runs that level alone.
+   - `host` (the host-memory tier, `DECIDER_STATE_CACHE_HOST_MIB`; not part of `all` or `traffic`):
+     `--host-states` cases (default 12: more than the 8 sequences kept in the context) asked twice,
+     round robin, the first half of each case's questions and then the second half (new questions,
+     so exact repeats answer nothing: each state must be prefilled again or come back), on a fresh
+     server with the defaults and then on one with `DECIDER_STATE_CACHE_HOST_MIB=0`, one client;
+     `host_vs_device_only` = the second's wall time / the first's (above 1: the tier pays).
+   `--levels multi_turn`, `repeat`, `hybrid` or `host` runs that level alone.
    Phases 1-5 ask each case once, and the sweep asks the same requests at every level: there the
    server runs with both caches off (DECIDER_STATE_CACHE_SEQS=0, DECIDER_REPEAT_CACHE_ENTRIES=0), so
    that a level is never a replay of the one before.
@@ -63,6 +69,8 @@ The last lines are machine-readable (times in seconds; ratios against the 1-clie
       cached_tokens_last=… turn_ends=…
     level=repeat concurrency=1 decision_vs_text=… decision_seconds=… text_seconds=…
       decision_tokens=… cached_tokens=… text_prompt_tokens=… errors=…   (repeat, hybrid, hybrid_repeat)
+    level=host states=… host_vs_device_only=… host_seconds=… device_only_seconds=… cached_tokens=…
+      cached_tokens_device_only=… decision_tokens=… decision_tokens_device_only=… errors=…
 
 JevBench data: Apache-2.0, Copyright 2026 Chen Feng (the `jevbench` package's cases: tools.evaluate.jevbench).
 """
@@ -202,6 +210,15 @@ class Level:
     def answers(self) -> dict[int, Distributions]:
         return {o.index: distributions(o.body) for o in self.ok if o.body}
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the answered decisions report as read from the caches (`extensions`)."""
+        return sum(int((o.body or {}).get("extensions", {}).get("cached_tokens", 0)) for o in self.ok)
+
+    @property
+    def decoded_tokens(self) -> float:
+        return self.counters.get("decider_engine_decode_tokens_sum", math.nan)
+
 
 # --- clients -----------------------------------------------------------------------------------------
 def _probe_ping(base_url: str, stop: threading.Event, level: Level, interval: float) -> None:
@@ -284,6 +301,16 @@ def measured_level(
         level = run_clients(base_url, path, bodies, clients, ping_interval)
         level.counters = counter_delta(before, scrape(client))
     return level
+
+
+def fresh_server_level(
+    env: dict[str, str], bodies: list[dict[str, Any]], clients: int, warm_up: dict[str, Any]
+) -> Level:
+    """`bodies` to `/invocations` from `clients` clients on a fresh server with `env`, measured after
+    one request of its own (`warm_up`, a case outside the measured ones)."""
+    with run_local_server(env) as server:
+        run_clients(server.base_url, "/invocations", [warm_up], 1, None)
+        return measured_level(server.base_url, "/invocations", bodies, clients, None)
 
 
 # --- phases ------------------------------------------------------------------------------------------
@@ -531,17 +558,26 @@ def main(argv: list[str] | None = None) -> int:
         help="conversations of the multi-turn level, on each server (default 3; the median per turn)",
     )
     parser.add_argument(
+        "--host-states",
+        type=int,
+        default=12,
+        help="cases of the host level, each asked twice (default 12: more than the 8 kept sequences)",
+    )
+    parser.add_argument(
         "--levels",
         default="all",
-        choices=("all", "traffic", "repeat", "hybrid", "multi_turn"),
+        choices=("all", "traffic", "repeat", "hybrid", "multi_turn", "host"),
         help="'all'; 'traffic' for the repeat and hybrid levels alone, 'repeat' or 'hybrid' for one of "
-        "them, 'multi_turn' for the multi-turn chat alone (default all)",
+        "them, 'multi_turn' for the multi-turn chat alone, 'host' for the host-memory tier's level alone "
+        "(default all; it has no 'host')",
     )
     args = parser.parse_args(argv)
     if args.levels in ("traffic", "repeat", "hybrid"):
         return traffic_main(args, args.levels)
     if args.levels == "multi_turn":
         return multi_turn_main(args)
+    if args.levels == "host":
+        return host_main(args)
     if args.quick:
         args.requests, args.overhead_cases, args.batch_states, args.text_requests = 8, 2, 3, 4
     levels_wanted = sorted({1, *(int(n) for n in args.concurrency.split(",") if n.strip())})
@@ -664,13 +700,8 @@ class TrafficLevel:
     ours: Level
     text: Any = None  # TextRun, or None without llama-server
 
-    @property
-    def cached_tokens(self) -> int:
-        return sum(int((o.body or {}).get("extensions", {}).get("cached_tokens", 0)) for o in self.ours.ok)
-
     def line(self) -> str:
         text_seconds = self.text.wall_seconds if self.text is not None else math.nan
-        decoded = self.ours.counters.get("decider_engine_decode_tokens_sum", math.nan)
         return key_values(
             (
                 ("level", self.name),
@@ -678,8 +709,8 @@ class TrafficLevel:
                 ("decision_vs_text", ratio(text_seconds, self.ours.wall_seconds)),
                 ("decision_seconds", f"{self.ours.wall_seconds:.2f}"),
                 ("text_seconds", f"{text_seconds:.2f}"),
-                ("decision_tokens", f"{decoded:.0f}"),
-                ("cached_tokens", str(self.cached_tokens)),
+                ("decision_tokens", f"{self.ours.decoded_tokens:.0f}"),
+                ("cached_tokens", str(self.ours.cached_tokens)),
                 ("text_prompt_tokens", str(self.text.prompt_tokens) if self.text is not None else "-"),
                 ("errors", str(sum(self.ours.errors.values()) + (self.text.errors if self.text else 0))),
                 ("error_codes", ",".join(f"{code}:{n}" for code, n in self.ours.errors.items()) or "-"),
@@ -727,9 +758,7 @@ def traffic_levels(
     levels = []
     for clients in TEXT_ROUTE_CLIENTS:
         console.print(f"[dim]{name}: {clients} client(s), {len(bodies)} requests…[/]")
-        with run_local_server(env) as server:
-            run_clients(server.base_url, "/invocations", [warm_up[0]], 1, None)
-            ours = measured_level(server.base_url, "/invocations", bodies, clients, None)
+        ours = fresh_server_level(env, bodies, clients, warm_up[0])
         text = None
         if binary is not None:
             try:
@@ -789,6 +818,61 @@ def traffic_main(args: Any, which: str = "traffic") -> int:
     for level in levels:
         print(level.line())
     return 1 if any(level.ours.errors or (level.text and level.text.errors) for level in levels) else 0
+
+
+def halves(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same state asked twice: the first half of its questions, then the second."""
+    questions = list(body["questions"].items())
+    middle = len(questions) // 2
+    return {**body, "questions": dict(questions[:middle])}, {**body, "questions": dict(questions[middle:])}
+
+
+@dataclass
+class HostLevel:
+    """The host-memory tier on traffic that comes back to its states with new questions."""
+
+    states: int
+    host: Level  # the defaults: kept states saved to host memory when evicted
+    device_only: Level  # DECIDER_STATE_CACHE_HOST_MIB=0
+
+    def line(self) -> str:
+        levels = (self.host, self.device_only)
+        return key_values(
+            (
+                ("level", "host"),
+                ("states", str(self.states)),
+                ("host_vs_device_only", ratio(self.device_only.wall_seconds, self.host.wall_seconds)),
+                ("host_seconds", self.host.wall_seconds),
+                ("device_only_seconds", self.device_only.wall_seconds),
+                ("cached_tokens", str(self.host.cached_tokens)),
+                ("cached_tokens_device_only", str(self.device_only.cached_tokens)),
+                ("decision_tokens", f"{self.host.decoded_tokens:.0f}"),
+                ("decision_tokens_device_only", f"{self.device_only.decoded_tokens:.0f}"),
+                ("errors", str(sum(sum(level.errors.values()) for level in levels))),
+            )
+        )
+
+
+def host_main(args: Any) -> int:
+    """The host level alone (`--levels host`, see the module docstring); 1 if a request failed."""
+    from decider.engine.bundled import smollm2_path
+    from decider.settings import Settings
+
+    console = Console(width=200)
+    cases = [case for case in load_cases(args.cases) if len(case["questions"]) >= 2]
+    chosen = spread(cases, args.host_states)
+    asked = [halves(request_body(case, extensions=True)) for case in chosen]
+    bodies = [first for first, _second in asked] + [second for _first, second in asked]
+    warm_up = request_body(next(case for case in cases if case not in chosen), extensions=True)
+    fields = model_settings(args, smollm2_path())
+    runs = []
+    for name, extra in (("host tier", {}), ("device only", {"state_cache_host_mib": 0})):
+        console.print(f"[dim]host level, {name}: {len(chosen)} states, each asked twice…[/]")
+        env = {Settings.env_name(key): str(value) for key, value in {**fields, **extra}.items()}
+        runs.append(fresh_server_level(env, bodies, 1, warm_up))
+    result = HostLevel(len(chosen), *runs)
+    print(result.line())
+    return 1 if any(level.errors for level in runs) else 0
 
 
 @dataclass

@@ -347,15 +347,20 @@ class ChatWork:
 
     def _start(self, step: Step) -> bool:
         """Reserve the prompt's cells (each generated token takes its own later) and take a sequence:
-        a copy of the kept turn that begins the prompt, if there is one. The entry is pinned before
-        the reservation, so making room cannot evict it, and its cells are left out of it."""
+        a copy of the kept turn that begins the prompt (restored from host memory if need be), if
+        there is one. The entry is pinned before the reservation, so making room cannot evict it, and
+        its cells are left out of it."""
         self._caches = step.caches
-        kept = self._kept()
-        hit = kept.lookup(self.plan.prompt, self.plan.boundary, kind=CHAT) if kept is not None else None
+        kept, prompt = self._kept(), self.plan.prompt
+        hit = (
+            kept.lookup(prompt, self.plan.boundary, kind=CHAT, room=step, then=len(prompt))
+            if kept is not None
+            else None
+        )
         cached = hit.length if hit is not None else 0
         if hit is not None:
             hit.entry.pins += 1
-        if not step.try_start(Unit.CHAT, len(self.plan.prompt) - cached, holds_sequence=True):
+        if not step.try_start(Unit.CHAT, len(prompt) - cached, holds_sequence=True):
             if hit is not None:
                 hit.entry.pins -= 1
             return False

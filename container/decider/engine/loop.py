@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from decider.engine.admission import Admission
 from decider.engine.cost import Cost, span_attended
 from decider.engine.epochs import MemoryEpochs
+from decider.engine.host_cache import HostCache
 from decider.engine.jobs import ClientGoneError, Job, Running, deadline_error, resolve, shutting_down
 from decider.engine.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
 from decider.engine.prefix_cache import Caches, RepeatCache, StateCache
@@ -104,6 +105,7 @@ class EngineLoop:
                 max_seqs=budget.state_seqs,
                 partial=bool(getattr(backend, "partial_reuse", False)),
                 metrics=self._metrics,
+                host=HostCache(budget.host_bytes, metrics=self._metrics) if budget.host else None,
             )
             self.seqs.reclaimer = states
         repeats = RepeatCache(budget.repeat_entries, metrics=self._metrics) if budget.repeat_entries else None

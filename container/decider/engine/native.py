@@ -4,8 +4,8 @@ The high-level `llama_cpp.Llama` class owns one sequence and truncates its cache
 prefix, which breaks on recurrent and hybrid models and cannot fan one prefix out to many
 sequences. This module exposes exactly what the engine needs instead: one model, one context
 with several sequences over a unified KV cache, tokenization with special-token parsing on or
-off, multi-sequence batched decoding with logits at chosen positions, and whole-sequence copy
-and removal.
+off, multi-sequence batched decoding with logits at chosen positions, whole-sequence copy and
+removal, and a sequence saved to host memory and restored.
 """
 
 from __future__ import annotations
@@ -319,6 +319,31 @@ class LlamaRuntime:
         """Remove a sequence's positions from `position` on (attention-only models: `partial_reuse`)."""
         if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, position, -1):
             raise NativeError(f"could not cut sequence {seq_id} at {position}")
+
+    def seq_remove_before(self, seq_id: int, position: int) -> None:
+        """Remove a sequence's positions below `position` (attention-only models: `partial_reuse`)."""
+        if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, 0, position):
+            raise NativeError(f"could not remove sequence {seq_id}'s positions below {position}")
+
+    def seq_save(self, seq_id: int) -> bytes:
+        """Every cell of a sequence (K/V, and the recurrent state on hybrid models) as bytes, for
+        `seq_restore` into any sequence of this context (host memory: decider.engine.host_cache)."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
+        buffer = (ctypes.c_uint8 * size)()
+        if not size or llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id) != size:
+            raise NativeError(f"could not save sequence {seq_id}")
+        return bytes(buffer)
+
+    def seq_restore(self, seq_id: int, data: bytes) -> bool:
+        """Put what `seq_save` returned into sequence `seq_id` (empty before). False when llama.cpp
+        cannot (no free cells for it, most likely), and the sequence is empty again: llama.cpp
+        removes what a failed restore placed (llama_kv_cache::state_read_sinfo, and the hybrid
+        memory's state_read for its attention part), and so does this, should a read stop short."""
+        source = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_set_data(self._ctx, source, len(data), seq_id) == len(data):
+            return True
+        self.seq_remove(seq_id)
+        return False
 
     @property
     def partial_reuse(self) -> bool:

@@ -35,6 +35,17 @@ generated. On exact-only models a chat's entry is the conversation before the ge
 renders the same messages and then more, starts with it (decider.engine.chat). A kept turn serves
 only a prompt that continues it (`best_hit`).
 
+Host memory (decider.engine.host_cache, llama-server's `--cache-ram`). An entry evicted for running
+work or for the budget (`evict_one`) is first saved to host memory, every cell of its sequence as
+bytes, unless a copy is there already; a chat turn its conversation's next turn replaces (`drop`) is
+not, and its copy goes. A start that finds a saved entry covering more than every kept one restores
+it (`lookup` with the step: the one rule of both call sites) into a free sequence, where the step
+lends the cells without making any unit wait; it is then kept like the others, and its copy stays.
+A restored state's sequence holds the prompt head too: where copies may be cut, that copy is
+removed and the head sequence's cells shared again; elsewhere (recurrent and sliding-window models)
+the entry keeps its own head and counts its cells (`CachedState.head_cells`). Admission's `peek`
+sees the saved entries as hits (they decode nothing).
+
 Exact repeats (`RepeatCache`). The raw label readouts (logits, log-normalizers) of one prompt, keyed
 by a digest of the model, the prompt version, the whole prompt's tokens, the label tokens and the
 readout spec. A request asking the same question on the same state again reads them back and
@@ -52,6 +63,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from decider.engine.host_cache import HostCache, SavedState
+from decider.invariance import HEAD_SEQ
+
 MIN_PARTIAL_HIT = 16  # a shorter common prefix saves less than the copy and the bookkeeping cost
 STATE = "state"  # a decision state: its tokens follow the prompt head
 CHAT = "chat"  # a chat turn: its tokens start at position 0
@@ -67,6 +81,21 @@ class CacheMemory(Protocol):
     def seq_remove(self, seq_id: int) -> None: ...
 
     def seq_truncate(self, seq_id: int, position: int) -> None: ...
+
+    def seq_remove_before(self, seq_id: int, position: int) -> None: ...
+
+    def seq_save(self, seq_id: int) -> bytes: ...
+
+    def seq_restore(self, seq_id: int, data: bytes) -> bool: ...
+
+
+class Room(Protocol):
+    """Where a restored entry's cells come from: the step a unit is about to start in
+    (decider.engine.steps.Step)."""
+
+    def lend_cells(self, cells: int, *, then: int) -> bool: ...
+
+    def return_cells(self, cells: int) -> None: ...
 
 
 class Pool(Protocol):
@@ -100,6 +129,10 @@ class CachedState:
     # A chat turn: how many of its tokens were its prompt (the rest it generated). Only a request
     # that reuses all of them, one continuing the conversation, may copy it (`floor`).
     prompt_tokens: int = 0
+    # A state restored from host memory on a model whose copies cannot be cut: its sequence holds
+    # a copy of the prompt head of its own (the head's cells are not the head sequence's), so it
+    # holds these cells too (`StateCache._restore`).
+    head_cells: int = 0
 
     @property
     def key(self) -> Key:
@@ -107,14 +140,18 @@ class CachedState:
 
     @property
     def floor(self) -> int:
-        """The fewest tokens a hit on it must cover: a chat turn serves only a prompt that continues
-        it (its whole prompt, see `best_hit`); a state serves any hit."""
-        return self.prompt_tokens if self.kind == CHAT else 0
+        return floor(self.kind, self.prompt_tokens)
 
     @property
     def cells(self) -> int:
-        """Cells it holds beyond the head (the head's cells are the head sequence's)."""
-        return len(self.tokens)
+        """Cells it holds: its tokens' (a state's head is the head sequence's), and its own head's."""
+        return len(self.tokens) + self.head_cells
+
+
+def floor(kind: str, prompt_tokens: int) -> int:
+    """The fewest tokens a hit on an entry must cover: a chat turn serves only a prompt that
+    continues it (its whole prompt, see `best_hit`); a state serves any hit."""
+    return prompt_tokens if kind == CHAT else 0
 
 
 @dataclass(frozen=True)
@@ -136,6 +173,7 @@ class StateCache:
         max_seqs: int,
         partial: bool,
         metrics: Any,
+        host: HostCache | None = None,
     ) -> None:
         self._memory = memory
         self._pool = pool
@@ -144,6 +182,7 @@ class StateCache:
         self.max_seqs = max_seqs
         self.partial = partial
         self._metrics = metrics
+        self.host = host  # the host-memory tier: evicted entries, saved (decider.engine.host_cache)
         self._entries: OrderedDict[Key, CachedState] = OrderedDict()
         self._published: tuple[Candidate, ...] = ()
 
@@ -174,15 +213,50 @@ class StateCache:
     def _candidates(self) -> tuple[Candidate, ...]:
         return tuple((entry.key, entry.floor) for entry in self._entries.values())
 
+    def _saved_candidates(self) -> tuple[Candidate, ...]:
+        saved = self.host.saved() if self.host is not None else ()
+        return tuple((entry.key, floor(entry.kind, entry.prompt_tokens)) for entry in saved)
+
     def _publish(self) -> None:
-        """What `peek` reads (the event loop): the entries as they are now, least recently used first."""
-        self._published = self._candidates()
+        """What `peek` reads (the event loop): the entries as they are now, least recently used first,
+        then those saved in host memory (a lookup restores one: it costs no decode either)."""
+        self._published = self._candidates() + self._saved_candidates()
 
     # --- hits ------------------------------------------------------------------------------------
-    def lookup(self, prefix: Sequence[int], boundary: int | None, *, kind: str = STATE) -> StateHit | None:
+    def lookup(
+        self,
+        prefix: Sequence[int],
+        boundary: int | None,
+        *,
+        kind: str = STATE,
+        room: Room | None = None,
+        then: int = 0,
+    ) -> StateHit | None:
         """The entry of `kind` that covers the most of `prefix`, or None (the rules: `best_hit`).
-        A state's prefix follows the head; a chat's is its whole prompt."""
-        found = best_hit(self._candidates(), kind, prefix, boundary, self.partial)
+        A state's prefix follows the head; a chat's is its whole prompt.
+
+        With `room`, the step a unit is about to start in: when an entry saved in host memory covers
+        more than every kept one, it is restored and kept again (`_restore`), if its cells and, beside
+        them, the `then` cells the unit reserves on a miss, less what the entry covers, are free
+        (evicting unpinned kept entries), and a sequence too; else the kept entries' hit stands.
+        The one rule of both call sites (a decision state's start, a chat's)."""
+        hit = self._hit(self._candidates(), prefix, boundary, kind)
+        if room is None or self.host is None:
+            return hit
+        found = best_hit(self._saved_candidates(), kind, prefix, boundary, self.partial)
+        if found is None or (hit is not None and found[1] <= hit.length):
+            return hit
+        saved = self.host.get(found[0])
+        assert saved is not None
+        restored = self._restore(saved, room, max(0, then - found[1]))
+        if restored is None:  # making room may have evicted the kept hit: look again
+            return self._hit(self._candidates(), prefix, boundary, kind)
+        return StateHit(restored, found[1])
+
+    def _hit(
+        self, candidates: tuple[Candidate, ...], prefix: Sequence[int], boundary: int | None, kind: str
+    ) -> StateHit | None:
+        found = best_hit(candidates, kind, prefix, boundary, self.partial)
         return StateHit(self._entries[found[0]], found[1]) if found is not None else None
 
     def peek(self, prefix: Sequence[int], boundary: int | None, *, kind: str = STATE) -> int:
@@ -195,7 +269,7 @@ class StateCache:
     def take(self, hit: StateHit, seq: int) -> None:
         """Copy a hit into `seq` (cut to the hit's length if it is shorter than the entry) and pin it."""
         self._memory.seq_copy(hit.entry.seq, seq)
-        if hit.length < hit.entry.cells:
+        if hit.length < len(hit.entry.tokens):
             self._memory.seq_truncate(seq, hit.entry.start + hit.length)
         hit.entry.pins += 1
         self._touch(hit.entry)
@@ -215,7 +289,7 @@ class StateCache:
         them if `longer`: the copy is cut, on models that allow it). False when it did not fit (or
         is already kept): a cache never takes what running work needs."""
         key = (kind, tuple(tokens))
-        if not self._make_room(key):
+        if not self._make_room(key, len(key[1])):
             return False
         copy = self._pool.take_free()
         if copy is None:
@@ -238,15 +312,14 @@ class StateCache:
         if replaces is not None:
             self.drop(replaces)
         key = (CHAT, tuple(tokens))
-        if not self._make_room(key):
+        if not self._make_room(key, len(key[1])):
             return False
         self._add(CachedState(key[1], seq, kind=CHAT, start=0, prompt_tokens=prompt_tokens))
         return True
 
-    def _make_room(self, key: Key) -> bool:
-        """Evict least recently used entries until `key` fits the budget; False if it cannot (or is
-        kept already)."""
-        cells = len(key[1])
+    def _make_room(self, key: Key, cells: int) -> bool:
+        """Evict least recently used entries until `key`, holding `cells`, fits the budget; False if
+        it cannot (or is kept already)."""
         if not cells or key in self._entries or cells > self.max_cells:
             return False
         while len(self._entries) >= self.max_seqs or self.cells + cells > self.max_cells:
@@ -254,23 +327,78 @@ class StateCache:
                 return False
         return True
 
-    def _add(self, entry: CachedState) -> None:
+    def _add(self, entry: CachedState, *, stored: bool = True) -> None:
         self._entries[entry.key] = entry
-        self._metrics.cache_stores.labels(entry.kind).inc()
+        if stored:
+            self._metrics.cache_stores.labels(entry.kind).inc()
         self._publish()
 
     def drop(self, entry: CachedState) -> None:
-        """Evict this entry now, if it is still kept and nobody has it pinned."""
+        """Evict this entry now, if it is still kept and nobody has it pinned: a chat turn that its
+        conversation's next turn replaces. It has no use any more, so it is not saved, and a copy in
+        host memory goes too (a conversation keeps one entry)."""
         if not entry.pins and self._entries.get(entry.key) is entry:
+            if self.host is not None:
+                self.host.discard(entry.key)
             self._evict(entry)
 
     def evict_one(self) -> int | None:
-        """Drop the least recently used unpinned entry; the cells it held, or None if none can go."""
+        """Drop the least recently used unpinned entry, saved in host memory first (`_save`); the
+        cells it held, or None if none can go."""
         for entry in self._entries.values():
             if not entry.pins:
+                self._save(entry)
                 self._evict(entry)
                 return entry.cells
         return None
+
+    # --- the host-memory tier --------------------------------------------------------------------
+    def _save(self, entry: CachedState) -> None:
+        """Save an entry evicted for running work or the budget in host memory (all its sequence's
+        cells: K/V, and the recurrent state on hybrid models), unless a copy is there already (then
+        that copy is used again: the most recently used now). One larger than the budget is not."""
+        if self.host is None or self.host.get(entry.key) is not None:
+            return
+        data = self._memory.seq_save(entry.seq)
+        self.host.put(SavedState(entry.kind, entry.tokens, data, entry.start, entry.prompt_tokens))
+
+    def _restore(self, saved: SavedState, room: Room, then: int) -> CachedState | None:
+        """Keep `saved` again in a free sequence; None (a miss: nothing is held, nothing leaks) when its
+        cells with `then` more, or a sequence, are not free after evicting unpinned entries, or when
+        llama.cpp cannot place it (it removes what it had restored).
+
+        Cells: the restored sequence holds every position from 0, a state's head too. Where a copy may
+        be cut (attention-only models) a state's head goes back to the head sequence's cells (its own
+        copy is removed, the head sequence's shared), so it holds what it held before it was evicted;
+        on the other models (a recurrent state cannot be cut) it keeps its own head (`head_cells`)."""
+        shares_head = saved.kind == STATE and self.partial
+        own_head = 0 if shares_head else saved.start
+        if not room.lend_cells(saved.cells, then=then):
+            return None
+        seq = self._pool.take_free() if self._make_room(saved.key, len(saved.tokens) + own_head) else None
+        if seq is None:
+            room.return_cells(saved.cells)
+            return None
+        if not self._memory.seq_restore(seq, saved.data):
+            self._pool.release(self._memory, seq)
+            room.return_cells(saved.cells)
+            self._metrics.cache_host_restores.labels(saved.kind, "failed").inc()
+            return None
+        if shares_head and saved.start:
+            self._memory.seq_remove_before(seq, saved.start)
+            self._memory.seq_copy(HEAD_SEQ, seq)
+            room.return_cells(saved.start)
+        entry = CachedState(
+            saved.tokens,
+            seq,
+            kind=saved.kind,
+            start=saved.start,
+            prompt_tokens=saved.prompt_tokens,
+            head_cells=own_head,
+        )
+        self._add(entry, stored=False)
+        self._metrics.cache_host_restores.labels(saved.kind, "hit").inc()
+        return entry
 
     def _evict(self, entry: CachedState) -> None:
         del self._entries[entry.key]
@@ -279,7 +407,8 @@ class StateCache:
         self._publish()
 
     def clear(self) -> None:
-        """Forget every entry without touching memory (it was cleared, the pool reset)."""
+        """Forget every kept entry without touching memory (it was cleared, the pool reset). What
+        host memory holds stays: it is bytes, valid for the same model and context."""
         self._entries.clear()
         self._publish()
 

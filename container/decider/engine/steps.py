@@ -183,6 +183,24 @@ class Step:
         self.cells_left -= cells
         return True
 
+    def lend_cells(self, cells: int, *, then: int) -> bool:
+        """Reserve `cells` for a kept state the cache restores from host memory for a unit about to
+        start (decider.engine.prefix_cache), only where the unit could start after it: the gate is
+        open, `then` more cells stay free beside them (kept states are evicted for both first), and
+        a sequence stays for the unit once the restored entry holds one. So a restore never makes
+        that unit wait, nor any other; refused, the unit starts as on a miss."""
+        if not self.starts_allowed or self.seqs.available < self.prefix_holders + 3:
+            return False
+        self._reclaim_cells(cells + then)
+        if self.cells_left < cells + then:
+            return False
+        self.cells_left -= cells
+        return True
+
+    def return_cells(self, cells: int) -> None:
+        """Give back cells `lend_cells` reserved (the restore failed, or needed fewer)."""
+        self.cells_left += cells
+
     def take_cells(self, cells: int) -> bool:
         """Take `cells` free cells for a row of a started unit that grows as it goes (a chat's next
         token), if they are free beyond `growth_floor` (kept states are evicted for them first); the

@@ -330,20 +330,20 @@ class DecisionWork:
     def _start_state(self, state: _StateRun, step: Step) -> bool:
         """Reserve the state's cells (all of them; a streaming state: its prefix and one branch).
 
-        A kept state that begins this one's prefix is pinned before the reservation (so making
-        room cannot evict it), and its cells are left out of the reservation: they are its own."""
+        A kept state that begins this one's prefix (restored from host memory if need be) is
+        pinned before the reservation (so making room cannot evict it), and its cells are left out
+        of the reservation: they are its own."""
         shared = self.plan.mode == "shared"
         kept = step.caches.states if shared and step.caches is not None else None
-        hit = kept.lookup(state.plan.prefix, state.boundary) if kept is not None else None
+        unit = Unit.STREAMING_STATE if state.streaming else Unit.STATE
+        cells = state.prefix_cells + state.largest_item if state.streaming else state.need
+        hit = None
+        if kept is not None:
+            hit = kept.lookup(state.plan.prefix, state.boundary, room=step, then=cells)
         cached = hit.length if hit is not None else 0
         if hit is not None:
             hit.entry.pins += 1
-        if state.streaming:
-            started = step.try_start(
-                Unit.STREAMING_STATE, state.prefix_cells - cached + state.largest_item, holds_sequence=shared
-            )
-        else:
-            started = step.try_start(Unit.STATE, state.need - cached, holds_sequence=shared)
+        started = step.try_start(unit, cells - cached, holds_sequence=shared)
         if not started:
             if hit is not None:
                 hit.entry.pins -= 1

@@ -126,6 +126,32 @@ class ServerMetrics:
             ["cache"],
             registry=r,
         )
+        # The host-memory tier behind the kept sequences (decider.engine.host_cache): cache = state | chat.
+        self.cache_host_saves = Counter(
+            "decider_cache_host_saves",
+            "Kept states and chat turns saved to host memory as they were evicted from the context.",
+            ["cache"],
+            registry=r,
+        )
+        self.cache_host_restores = Counter(
+            "decider_cache_host_restores",
+            "Entries put back from host memory into the context for a request they serve, by outcome "
+            "(hit; failed: llama.cpp could not place it, the request decoded the prefix instead).",
+            ["cache", "outcome"],
+            registry=r,
+        )
+        self.cache_host_evictions = Counter(
+            "decider_cache_host_evictions",
+            "Entries dropped from host memory: least recently used beyond its budget, or a chat turn "
+            "replaced by its conversation's next turn.",
+            ["cache"],
+            registry=r,
+        )
+        self.cache_host_bytes = Gauge(
+            "decider_cache_host_bytes",
+            "Bytes of host memory the saved entries hold (DECIDER_STATE_CACHE_HOST_MIB bounds it).",
+            registry=r,
+        )
         self.model_ready = Gauge(
             "decider_model_ready", "1 once the model is loaded and verified.", registry=r
         )
