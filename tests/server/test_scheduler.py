@@ -110,6 +110,36 @@ def test_several_requests_share_each_decode() -> None:
     serial_scheduler.close()
 
 
+LONG_QUESTIONS = {
+    "state": "I was charged twice for one order.",
+    "questions": {
+        f"q{i}": {"type": "noul", "instructions": f"{i}: is this about billing? " * 4} for i in range(3)
+    },
+}
+
+
+def test_a_request_starts_only_when_the_started_ones_leave_less_than_a_micro_batch() -> None:
+    """Each request has more than n_ubatch tokens of questions after its state: the second's prefill
+    waits for the first's branches (not for its end), so about two states are resident, not all."""
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    scheduler = _scheduler(engine)
+    works = [_work(engine, LONG_QUESTIONS) for _ in range(3)]
+    state = works[0].states[0]
+    prefix = len(state.plan.prefix)
+    branches = state.need - prefix
+    assert branches > engine.runtime.policy.n_ubatch > prefix
+    futures = [scheduler.submit(_job(), work) for work in works]
+    gate.set()
+    answers = [decision_response(future.result(5)).to_wire() for future in futures]
+    assert answers[0] == answers[1] == answers[2]
+    calls = engine.calls
+    assert calls[0] == prefix  # the first state alone: the others would wait for its branches anyway
+    assert calls[1] >= branches and calls[1] <= branches + prefix  # its branches and the next prefill
+    assert len(calls) < 2 * len(works)  # still shared: fewer decodes than one request at a time
+    scheduler.close()
+
+
 def test_every_decode_runs_on_the_one_engine_thread() -> None:
     engine = FakeEngine()
     scheduler = _scheduler(engine)

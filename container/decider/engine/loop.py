@@ -211,6 +211,7 @@ class EngineLoop:
             caches=self.caches,
             equal_rows=equal_rows,
             long_row=policy.n_ubatch // 2,
+            start_below_tokens=policy.n_ubatch,
         )
         step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self.works)
         epoch_full = self.epochs.full(self.seqs, self.works)

@@ -139,6 +139,9 @@ class Step:
     # The scheduler's gate, set before each work plans: false behind a unit that could not start
     # (first come, first served) and while the memory epoch is full.
     starts_allowed: bool = True
+    # A new unit starts only while the started ones have fewer tokens than this left to decode
+    # after this step (`outstanding`; 0: no limit). See `may_start`.
+    start_below_tokens: int = 0
     # Cells that growing units (chats) leave free for the first unit waiting for cells to start
     # (set by the scheduler), and what the first unit refused for lack of cells needs (read by it).
     growth_floor: int = 0
@@ -152,6 +155,27 @@ class Step:
     long_row: int = 0  # a row alone of this many tokens may keep its own length (n_ubatch / 2)
     rows: list[PlannedRow] = field(default_factory=list)
 
+    @property
+    def may_start(self) -> bool:
+        """The gate is open, and the started units leave less than `start_below_tokens` (n_ubatch)
+        to decode after this step.
+
+        Starting more gains nothing: llama.cpp runs a decode as micro-batches of n_ubatch tokens
+        one after another, so work already started keeps the next steps full, while a unit started
+        early holds its cells until its rows' turn, and every decode's attention visits every cell
+        up to the highest one in use, masked or not (8 clients had 3-8 states resident and paid
+        12-19 % more per token than one). So a request's prefill joins the last step of the one
+        before it, and about two run at a time."""
+        if not self.starts_allowed:
+            return False
+        return not self.start_below_tokens or self.outstanding < self.start_below_tokens
+
+    @property
+    def outstanding(self) -> int:
+        """Tokens the started units still have to decode after this step: their reserved cells not
+        decoded yet, less the rows planned into it."""
+        return sum(work.footprint().future for work in self.running) - self.token_count
+
     def may_hold_sequence(self) -> bool:
         """A new unit that holds a sequence across steps (a state's prefix, a chat) may start only
         while one more stays free for a branch and one for its label positions, beyond one for each
@@ -161,13 +185,14 @@ class Step:
     def try_start(self, unit: Unit, cells: int, *, holds_sequence: bool) -> bool:
         """Reserve `cells` for a new `unit` if it may start in this step, and say whether it did.
 
-        - Nothing starts while the gate is closed.
+        - Nothing starts while the gate is closed, nor while started units have a micro-batch of
+          tokens left after this step (`may_start`).
         - A state too large for one epoch holds cells alone: it waits until no state holds any.
         - No other state starts while such a state runs.
         - The unit's cells must all be free (kept states are evicted for them first), and one
           holding a sequence needs `may_hold_sequence`.
         """
-        if not self.starts_allowed:
+        if not self.may_start:
             return False
         held = [work.footprint() for work in self.running] if unit is not Unit.CHAT else []
         if unit is Unit.STREAMING_STATE and any(footprint.holds_epoch_cells for footprint in held):
@@ -189,7 +214,7 @@ class Step:
         open, `then` more cells stay free beside them (kept states are evicted for both first), and
         a sequence stays for the unit once the restored entry holds one. So a restore never makes
         that unit wait, nor any other; refused, the unit starts as on a miss."""
-        if not self.starts_allowed or self.seqs.available < self.prefix_holders + 3:
+        if not self.may_start or self.seqs.available < self.prefix_holders + 3:
             return False
         self._reclaim_cells(cells + then)
         if self.cells_left < cells + then:
