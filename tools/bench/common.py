@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tools.evaluate.cases import load_items
 
 T = TypeVar("T")
@@ -132,3 +134,13 @@ def model_settings(args: Any, default_model: Path) -> dict[str, Any]:
     if args.threads:
         fields["n_threads"] = args.threads
     return fields
+
+
+def unlabelled_metrics(metrics_text: str, names: Iterable[str]) -> dict[str, float]:
+    """The unlabelled samples `names` from a Prometheus text exposition (/metrics); missing read 0."""
+    values = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in values and not sample.labels:
+                values[sample.name] = float(sample.value)
+    return values

@@ -90,7 +90,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -107,6 +106,7 @@ from tools.bench.common import (
     run_clients_in_parallel,
     same_questions_group,
     spread,
+    unlabelled_metrics,
 )
 from tools.bench.text_route import find_llama_server, run_llama_server, run_text_route, text_questions
 from tools.evaluate.jevbench import JEVBENCH_240_CASES
@@ -131,12 +131,7 @@ ENGINE_SERIES = (
 
 def engine_counters(metrics_text: str) -> dict[str, float]:
     """The engine's decode counters from a Prometheus text exposition (missing series read as 0)."""
-    values = dict.fromkeys(ENGINE_SERIES, 0.0)
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name in values and not sample.labels:
-                values[sample.name] = float(sample.value)
-    return values
+    return unlabelled_metrics(metrics_text, ENGINE_SERIES)
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from tools.bench.common import unlabelled_metrics
 from tools.local_server import run_local_server
 from tools.soak.accounting import missing_codes
 
@@ -44,17 +44,16 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+HOST_BYTES = "decider_cache_host_bytes"
+
+
 def host_tier_mib(base_url: str) -> float:
     """What the host-memory tier of kept states holds now (the decider_cache_host_bytes gauge)."""
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=5).text
     except httpx.HTTPError:
         return 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "decider_cache_host_bytes":
-                return float(sample.value) / 2**20
-    return 0.0
+    return unlabelled_metrics(text, [HOST_BYTES])[HOST_BYTES] / 2**20
 
 
 def main() -> int:
