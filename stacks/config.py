@@ -18,6 +18,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from decider.settings import Settings
@@ -31,6 +32,7 @@ from stacks.instances import (
     gpu_model,
     instance_spec,
 )
+from stacks.paths import CONTAINER_DIR
 
 VariantName = Literal["cpu", "gpu"]
 VARIANTS: tuple[VariantName, ...] = ("cpu", "gpu")
@@ -50,18 +52,52 @@ MODEL_ARCHIVE = "model.tar.gz"
 TRANSFORM_MODEL_OUTPUT = "TransformModelName"  # the endpoint stack's output naming that Model (decide-batch)
 
 # InferenceAmiVersion values CloudFormation accepts (the AWS::SageMaker::EndpointConfig schema in
-# cfn-lint 1.58.0), minus the Neuron one. `al2023-…-gpu-4-1` ships driver 580 (CUDA 13.0): AWS's own
-# decision-model image hit CannotStartContainerError on g5/g4dn with the default AMI and started on it.
-INFERENCE_AMI_VERSIONS = (
-    "al2-ami-sagemaker-inference-gpu-2",
-    "al2-ami-sagemaker-inference-gpu-2-1",
-    "al2-ami-sagemaker-inference-gpu-3-1",
-    "al2023-ami-sagemaker-inference-gpu-4-1",
-)
+# cfn-lint 1.58.0), minus the Neuron one, with the CUDA version of each AMI's driver (the
+# ProductionVariant.InferenceAmiVersion API reference: 535 = 12.2, 550 = 12.4, 580 = 13.0).
+INFERENCE_AMI_CUDA = {
+    "al2-ami-sagemaker-inference-gpu-2": "12.2",
+    "al2-ami-sagemaker-inference-gpu-2-1": "12.2",
+    "al2-ami-sagemaker-inference-gpu-3-1": "12.4",
+    "al2023-ami-sagemaker-inference-gpu-4-1": "13.0",
+}
+INFERENCE_AMI_VERSIONS = tuple(INFERENCE_AMI_CUDA)
 # CUDA architectures the CUDA image can be compiled for: what its CUDA 12.4 toolkit supports and
 # llama.cpp's CUDA backend runs on (Turing and newer). Blackwell (sm_100, sm_120) needs CUDA 12.8.
 CUDA_IMAGE_ARCHITECTURES = frozenset({"75", "80", "86", "89", "90"})
-CUDA_IMAGE_TOOLKIT = "12.4"
+CUDA_DEVEL_IMAGE_RE = re.compile(r"^ARG CUDA_DEVEL_IMAGE=\S+?:(\d+)\.(\d+)(?:\.\d+)?-devel", re.M)
+
+
+def image_cuda_version(dockerfile: Path = CONTAINER_DIR / "Dockerfile") -> str:
+    """The CUDA image's toolkit version (`12.4`), read from the Dockerfile's CUDA base image: the one
+    place it is set, so the AMI below can never disagree with what the image was built with."""
+    match = CUDA_DEVEL_IMAGE_RE.search(dockerfile.read_text())
+    if match is None:
+        raise ValueError(f"{dockerfile} names no CUDA_DEVEL_IMAGE with a version tag")
+    return f"{match[1]}.{match[2]}"
+
+
+def _cuda(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")
+    return int(major), int(minor)
+
+
+def inference_ami_for(cuda: str) -> str:
+    """The AMI for an image built with CUDA `cuda`: the lowest driver of the same CUDA major that is
+    at least as new. Same major because a CUDA 12 container on the CUDA 13 AMI (driver 580) was seen
+    stuck in `Creating` with no log (aws/deep-learning-containers#6187: CUDA 12.9 image on
+    al2023-ami-sagemaker-inference-gpu-4-1); at least as new so that no forward-compat is needed."""
+    wanted = _cuda(cuda)
+    fits = [
+        (_cuda(c), ami)
+        for ami, c in INFERENCE_AMI_CUDA.items()
+        if _cuda(c)[0] == wanted[0] and _cuda(c) >= wanted
+    ]
+    if not fits:
+        raise ValueError(f"no SageMaker inference AMI has a driver for CUDA {cuda}")
+    return min(fits)[1]
+
+
+CUDA_IMAGE_TOOLKIT = image_cuda_version()
 # Build arguments the app sets itself (per variant / from the instance types); never user-set.
 RESERVED_BUILD_ARGS = frozenset({"VARIANT", "CUDA_ARCHITECTURES"})
 
@@ -455,7 +491,9 @@ class VariantConfig(_Strict):
         "types, refused on NVMe types.",
     )
     inference_ami_version: str | None = Field(
-        None, description="GPU driver AMI (GPU only), e.g. al2023-ami-sagemaker-inference-gpu-4-1."
+        None,
+        description="GPU driver AMI (GPU only); default: the one for the CUDA image's CUDA version "
+        "(stacks.config.inference_ami_for). Another is refused when its CUDA major differs.",
     )
     network_isolation: bool = Field(True, description="No outbound network from the container.")
     log_retention_days: int = Field(
@@ -536,6 +574,13 @@ class VariantConfig(_Strict):
         if not explicit and self.invocation == "async" and too_small:
             return "ALL_AT_ONCE"
         return chosen
+
+    @property
+    def ami_version(self) -> str | None:
+        """The endpoint's InferenceAmiVersion: the configured one, else the CUDA image's; None on CPU."""
+        if not self.is_gpu:
+            return None
+        return self.inference_ami_version or inference_ami_for(CUDA_IMAGE_TOOLKIT)
 
     @property
     def build_variant(self) -> Literal["cpu", "cuda"]:
@@ -672,6 +717,14 @@ class VariantConfig(_Strict):
                 problems.append("inference_ami_version: only applies to the gpu variant")
             elif self.inference_ami_version not in INFERENCE_AMI_VERSIONS:
                 problems.append(f"inference_ami_version: must be one of {INFERENCE_AMI_VERSIONS}")
+            elif _cuda(INFERENCE_AMI_CUDA[self.inference_ami_version])[0] != _cuda(CUDA_IMAGE_TOOLKIT)[0]:
+                ami = self.inference_ami_version
+                problems.append(
+                    f"inference_ami_version: {ami} has a CUDA {INFERENCE_AMI_CUDA[ami]} driver and the "
+                    f"CUDA image is built with CUDA {CUDA_IMAGE_TOOLKIT}: another CUDA major can leave the "
+                    "endpoint in Creating with no log; leave it unset "
+                    f"({inference_ami_for(CUDA_IMAGE_TOOLKIT)})"
+                )
         if not self.on_ebs:
             nvme = ", ".join(t for t in self.instance_types if not supports_volume_kms(t))
             if self.volume_kms:

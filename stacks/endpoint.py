@@ -449,7 +449,7 @@ class DeciderEndpoint(Construct):
             model_data_download_timeout_in_seconds=variant.model_data_download_timeout_s,
             # EBS-backed types only; SageMaker refuses VolumeSizeInGB on NVMe instance storage.
             volume_size_in_gb=variant.ebs_volume_size_gb,
-            inference_ami_version=variant.inference_ami_version,
+            inference_ami_version=variant.ami_version,
             routing_config=routing,
         )
 

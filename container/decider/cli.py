@@ -8,6 +8,7 @@ followed by a non-zero exit; `/ping` never reports healthy in that case.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 from collections.abc import Sequence
@@ -15,9 +16,9 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from decider import __version__
+from decider.errors import EXIT_INVALID_SETTINGS
 from decider.settings import Settings
 
-EXIT_INVALID_SETTINGS = 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -66,6 +67,9 @@ def configure_logging(level: str = "info") -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _parse_args(argv)
+    # A native crash (llama.cpp, CUDA) then leaves every thread's Python stack on stderr, which
+    # SageMaker sends to CloudWatch with the rest of the log.
+    faulthandler.enable(all_threads=True)
     configure_logging()
     log = logging.getLogger("decider.server")
     try:

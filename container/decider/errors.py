@@ -159,11 +159,27 @@ class UnavailableError(DeciderError):
     retryable = True
 
 
+# `serve`'s exit statuses: each cause of a failed start has its own, so an orchestrator (or a person
+# reading CloudWatch) can tell them apart without parsing the log.
+EXIT_STARTUP_FAILED = 1  # the model or a setting the engine checks cannot be used
+EXIT_INVALID_SETTINGS = 2  # a DECIDER_* variable does not validate
+EXIT_LOAD_CRASHED = 3  # loading the model killed the probe process (a native crash in llama.cpp)
+
+
 class StartupError(Exception):
     """The server cannot start: missing/invalid model file, unusable tokenizer, bad setting.
 
-    Its message is printed as one log line before a non-zero exit.
+    Its message is printed as one log line before a non-zero exit (`exit_code`).
     """
+
+    exit_code = EXIT_STARTUP_FAILED
+
+
+class LoadCrashedError(StartupError):
+    """The model's load killed the probe process (decider.engine.load_probe): the server does not
+    try it in its own process, where the same crash would end it without a word."""
+
+    exit_code = EXIT_LOAD_CRASHED
 
 
 def internal_error(exc: BaseException) -> DeciderError:

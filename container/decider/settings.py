@@ -301,6 +301,11 @@ class Settings(BaseSettings):
         description="Listen port; SageMaker's SAGEMAKER_BIND_TO_PORT wins.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    load_probe: bool = Field(
+        True,
+        description="Load the model once in a child process first (decider.engine.load_probe): a native "
+        "crash at load becomes one log line with the signal and the settings, and exit status 3.",
+    )
     cpu_probe_cache: str = Field(
         "/tmp/decider/cpu-variant.json",  # noqa: S108 - the container's own scratch space
         description="Where the CPU-variant probe's verdict is cached (keyed by the CPU's flags, the "

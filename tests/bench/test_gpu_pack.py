@@ -5,6 +5,7 @@ pip is a fake that writes the files it would have fetched."""
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import tarfile
@@ -140,7 +141,13 @@ class FakePip:
 def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smollm2_path: Path) -> None:
     repo = tmp_path / "repo"
     (repo / "container").mkdir(parents=True)
-    for name in ("requirements.txt", "container/requirements.txt"):
+    for name in (
+        "requirements.txt",
+        "container/requirements.txt",
+        "container/Dockerfile",
+        str(pack.GPU_SNAPSHOT),
+    ):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text((REPO / name).read_text())
     fake = FakePip({f"{SDIST_TOP}/pyproject.toml": b"x", f"{SDIST_TOP}/vendor/llama.cpp/docs/a.md": b"y"})
     parts = pack.pack(
@@ -160,6 +167,8 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
     tokenizer = pack.size_of([out / "tokenizer.gguf"])
     assert 1_000_000 < tokenizer < 3_000_000  # SmolLM2's tokenizer without its 93 MB of weights
     assert [part.name for part in parts][:3] == ["wheels", "llama.cpp sdist", "tokenizer"]
+    assert (out / "cmake-args").read_text().strip() == pack.cuda_cmake_args(REPO / pack.DOCKERFILE)
+    assert json.loads((out / "serve-env.json").read_text())["DECIDER_N_GPU_LAYERS"] == "-1"
     stale = out / "llama_cpp_python-0.3.35.tar.gz"
     stale.write_bytes(b"old")
     (out / "wheels" / "numpy-1.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"old")
@@ -178,13 +187,67 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
     assert f"    {pack.REMOTE_COMMAND}\n" in text and 'carry ["gpu-pack"]' in text
 
 
-def test_the_remote_script_builds_for_sm_90_and_runs_both_benchmarks_on_the_gpu() -> None:
+def test_the_remote_script_builds_what_ships_and_measures_in_one_call() -> None:
     script = (REPO / "tools" / "gpu" / "remote.sh").read_text()
     subprocess.run(["bash", "-n", str(REPO / "tools" / "gpu" / "remote.sh")], check=True)
-    assert "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" in script and "--no-index" in script
-    assert "--n-gpu-layers -1" in script and "bench engine" in script and "bench server" in script
+    # the CUDA image's own flags and library layout, never a native build for the test machine's CPU
+    assert 'CMAKE_FLAGS=$(cat "$PACK/cmake-args")' in script and "CMAKE_ARGS=$CMAKE_FLAGS " in script
+    assert "GGML_NATIVE=ON" not in script and "march=native" not in script
+    assert 'container/llama-libs.sh" "$site"' in script and "--no-index" in script
+    steps = [line.split()[1] for line in script.splitlines() if line.lstrip().startswith("step ")]
+    assert steps == ["probe", "serve", "limit", "gpu-answers", "cpu-answers", "parity"]
     assert pack.REMOTE_COMMAND == "bash tools/gpu/remote.sh"
     assert "/gpu-pack/" in (REPO / ".gitignore").read_text() and "/.gpu/" in (REPO / ".gitignore").read_text()
+
+
+def test_the_pack_builds_with_the_cuda_image_s_flags_for_the_machine_s_gpu() -> None:
+    flags = pack.cuda_cmake_args(REPO / pack.DOCKERFILE)
+    dockerfile = (REPO / pack.DOCKERFILE).read_text()
+    assert (
+        flags.replace("-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}")
+        in dockerfile
+    )
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_BACKEND_DL=ON" in flags and "-DGGML_CUDA=ON" in flags
+    assert "$" not in flags
+
+
+def test_the_pack_runs_serve_with_gpu_stack_s_container_settings() -> None:
+    env = pack.gpu_environment(REPO / pack.GPU_SNAPSHOT)
+    assert env["DECIDER_N_GPU_LAYERS"] == "-1" and env["DECIDER_FLASH_ATTN"] == "true"
+    assert env["DECIDER_LOAD_PROBE"] == "true"
+
+
+def _stand_in_tools(bin_dir: Path) -> None:
+    """nvcc, cmake, ninja and python3.12 that only answer --version (nothing else is reached)."""
+    bin_dir.mkdir(parents=True)
+    for tool in ("nvcc", "cmake", "ninja", "python3.12", "nvidia-smi"):
+        path = bin_dir / tool
+        path.write_text("#!/bin/sh\necho 'stand-in 1.0'\n")
+        path.chmod(0o755)
+
+
+def test_the_remote_script_stops_cleanly_before_a_step_its_time_cannot_hold(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "tools" / "gpu").mkdir(parents=True)
+    (tree / "tools" / "gpu" / "remote.sh").write_text((REPO / "tools" / "gpu" / "remote.sh").read_text())
+    (tree / "gpu-pack" / "wheels").mkdir(parents=True)
+    (tree / "gpu-pack" / "cmake-args").write_text("-DGGML_CUDA=ON\n")
+    _stand_in_tools(tmp_path / "bin")
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
+        "BENCH_GPU_BUDGET_S": "30",
+        "OUT": str(tmp_path / "out"),
+    }
+    (tmp_path / "out").mkdir()
+    done = subprocess.run(
+        ["bash", str(tree / "tools" / "gpu" / "remote.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stopping before the venv: about 60 s needed" in done.stdout, done.stdout
 
 
 def test_the_remote_script_without_a_pack_says_so(tmp_path: Path) -> None:

@@ -119,14 +119,36 @@ def test_the_llama_wheel_is_installed_without_its_unpinned_dependencies() -> Non
     assert "pip check" in " ".join(_instructions("RUN"))
 
 
-def test_backends_come_from_the_installed_wheel_and_each_library_is_one_file() -> None:
+def test_backends_come_from_the_installed_wheel_and_each_library_is_one_file(tmp_path: Path) -> None:
     runs = " ".join(_instructions("RUN"))
-    # Installed copies (no build-tree RUNPATH such as "/tmp/llama-build/bin:") move next to libllama.
+    # Installed copies (no build-tree RUNPATH such as "/tmp/llama-build/bin:") move next to libllama,
+    # by the script the GPU check lays its build out with too (tools/gpu/remote.sh).
     assert "/tmp/llama-build" not in runs
-    assert 'mv -n "$site"/bin/libggml-*.so "$lib_dir/"' in runs
-    assert 'rm -rf "${site:?}/bin" "${site:?}/lib" "${site:?}/include"' in runs
-    # libggml.so and libggml.so.0 become symlinks to libggml.so.0.x.y: one library, one registry.
-    assert 'ln -sf "$name" "$lib_dir/$soname" && ln -sf "$soname" "$lib_dir/${name%%.so.*}.so"' in runs
+    assert "COPY llama-libs.sh /usr/local/bin/llama-libs" in DOCKERFILE.read_text()
+    assert "sh /usr/local/bin/llama-libs /opt/venv/lib/python3.11/site-packages" in runs
+    # The script on a wheel's layout: backends from bin/ into llama_cpp/lib, bin/ lib/ include/ gone,
+    # and each library's three copies become one file and two symlinks (one library, one registry).
+    site = tmp_path / "site-packages"
+    lib_dir = site / "llama_cpp" / "lib"
+    lib_dir.mkdir(parents=True)
+    (site / "bin").mkdir()
+    (site / "bin" / "libggml-cuda.so").write_bytes(b"cuda")
+    (site / "bin" / "libggml-cpu.so").write_bytes(b"cpu from bin")
+    (lib_dir / "libggml-cpu.so").write_bytes(b"cpu")
+    for name in ("libggml.so", "libggml.so.0", "libggml.so.0.25.3"):
+        (lib_dir / name).write_bytes(b"ggml")
+    for extra in ("lib", "include"):
+        (site / extra).mkdir()
+    subprocess.run(["sh", str(CONTAINER / "llama-libs.sh"), str(site)], check=True, capture_output=True)
+    assert sorted(p.name for p in site.iterdir()) == ["llama_cpp"]
+    assert (lib_dir / "libggml-cuda.so").read_bytes() == b"cuda"
+    assert (lib_dir / "libggml-cpu.so").read_bytes() == b"cpu"  # an installed copy is kept
+    assert (lib_dir / "libggml.so.0").is_symlink() and (lib_dir / "libggml.so").is_symlink()
+    assert (lib_dir / "libggml.so").resolve() == (lib_dir / "libggml.so.0.25.3")
+    missing = subprocess.run(
+        ["sh", str(CONTAINER / "llama-libs.sh"), str(tmp_path / "none")], capture_output=True
+    )
+    assert missing.returncode == 1 and b"llama-cpp-python not installed" in missing.stderr
 
 
 def test_container_requirements_pin_the_whole_runtime_closure() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from decider.errors import EXIT_LOAD_CRASHED
 from server_helpers import CHAT, DECISION, LOCAL_ONLY, assert_error_body
 
 from tools.local_server import LocalServer, remote_server, run_local_server, start_local_server
@@ -200,6 +203,52 @@ def test_startup_failures_exit_non_zero_with_one_clear_line(tmp_path: Path, case
     assert expected in failure_lines[0], failure_lines[0]
     assert "Traceback" not in logs
     assert 200 not in pings
+
+
+# Loaded into every Python process of the server (PYTHONPATH), it crashes only the load probe's
+# child, in native code, as a CUDA backend or a CPU kernel the host refuses would at load.
+CRASHING_PROBE = """
+import sys
+if "decider.engine.load_probe" in sys.orig_argv:
+    import faulthandler
+    print("llama_model_loader: loaded meta data with 33 key-value pairs (stand-in)", flush=True)
+    faulthandler._sigsegv()
+"""
+
+
+@LOCAL_ONLY
+def test_a_load_that_crashes_the_probe_is_one_line_with_the_signal_and_settings_and_its_own_exit(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(CRASHING_PROBE)
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {"DECIDER_N_THREADS": "1", "DECIDER_N_GPU_LAYERS": "0", "PYTHONPATH": pythonpath}
+    started = time.monotonic()
+    returncode, logs, pings = _run_until_exit(env)
+    assert returncode == EXIT_LOAD_CRASHED, logs
+    assert time.monotonic() - started < 30  # one probe, no retries
+    failure_lines = [line for line in logs.splitlines() if "startup failed" in line]
+    assert len(failure_lines) == 1, logs
+    line = failure_lines[0]
+    assert "SIGSEGV" in line and "crashed a probe process" in line, line
+    assert "DECIDER_N_GPU_LAYERS=0" in line and "DECIDER_FLASH_ATTN=true" in line and "DECIDER_N_CTX=" in line
+    # the child's own output follows: llama.cpp's load log and faulthandler's native-crash report
+    probe_lines = [entry for entry in logs.splitlines() if "load probe: " in entry]
+    assert any("llama_model_loader" in entry for entry in probe_lines), logs
+    assert any("Segmentation fault" in entry for entry in probe_lines), logs
+    assert 200 not in pings
+    assert "model ready" not in logs  # the server never loaded it in its own process
+
+
+def test_serve_turns_faulthandler_on_so_a_native_crash_leaves_a_python_stack(tmp_path: Path) -> None:
+    script = "import faulthandler, sys; from decider import cli; cli._parse_args = lambda a: None; "
+    script += (
+        "cli.configure_logging = lambda *a: sys.exit(0 if faulthandler.is_enabled() else 7); cli.main([])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
 
 
 @LOCAL_ONLY

@@ -15,6 +15,7 @@ from stacks.config import (
     merge_context,
     supports_volume_kms,
 )
+from stacks.paths import ROOT as REPO_ROOT
 from stacks.synth import cdk_json_context
 
 DIGEST = "sha256:" + "0" * 64
@@ -41,7 +42,9 @@ def test_defaults_from_cdk_json_pin_the_production_model_and_instances():
     # the capacity planner's choice: p95 well under the 55 s deadline (tests/capacity)
     assert config.cpu.instance_type == "ml.c7i.8xlarge"
     assert config.gpu.instance_type == "ml.g6.xlarge"
-    assert config.gpu.inference_ami_version == "al2023-ami-sagemaker-inference-gpu-4-1"
+    # the AMI follows the CUDA image's toolkit (container/Dockerfile), never a setting that can disagree
+    assert config.gpu.inference_ami_version is None and config.cpu.ami_version is None
+    assert config.gpu.ami_version == "al2-ami-sagemaker-inference-gpu-3-1"
     assert config.cpu.encrypt_volume and not config.gpu.encrypt_volume
     assert (config.cpu.ebs_volume_size_gb, config.gpu.ebs_volume_size_gb) == (30, None)
     assert (config.cpu.build_variant, config.gpu.build_variant) == ("cpu", "cuda")
@@ -214,8 +217,28 @@ def test_cuda_architectures_follow_the_allowed_gpus(types, archs):
     assert variant.instance_types == types
 
 
-def test_an_ami_with_driver_580_is_accepted():
-    assert config_with(**{"gpu.inference_ami_version": "al2023-ami-sagemaker-inference-gpu-4-1"})
+def test_the_ami_is_chosen_from_the_image_s_cuda_version():
+    from stacks.config import CUDA_IMAGE_TOOLKIT, image_cuda_version, inference_ami_for
+
+    assert CUDA_IMAGE_TOOLKIT == image_cuda_version() == "12.4"  # the Dockerfile's nvidia/cuda:12.4.1 bases
+    dockerfile = (REPO_ROOT / "container" / "Dockerfile").read_text()
+    assert "cuda-compat-12-4" in dockerfile and "cuda:12.4.1-runtime" in dockerfile
+    assert inference_ami_for("12.4") == "al2-ami-sagemaker-inference-gpu-3-1"  # driver 550 = CUDA 12.4
+    assert inference_ami_for("12.2") == "al2-ami-sagemaker-inference-gpu-2"
+    assert inference_ami_for("13.0") == "al2023-ami-sagemaker-inference-gpu-4-1"  # driver 580
+    with pytest.raises(ValueError, match=r"CUDA 12\.8"):
+        inference_ami_for("12.8")
+
+
+def test_an_ami_of_another_cuda_major_than_the_image_is_refused():
+    # a CUDA 12 container on the driver-580 (CUDA 13) AMI: stuck in Creating with no log (DLC #6187)
+    with pytest.raises(Exception, match="another CUDA major can leave the endpoint in Creating"):
+        config_with(**{"gpu.inference_ami_version": "al2023-ami-sagemaker-inference-gpu-4-1"})
+    assert config_with(
+        **{"gpu.inference_ami_version": "al2-ami-sagemaker-inference-gpu-2"}
+    ).gpu.ami_version == (
+        "al2-ami-sagemaker-inference-gpu-2"  # driver 535: the image's cuda-compat covers 12.4 (entrypoint.sh)
+    )
 
 
 def test_mixed_storage_pools_drop_kms_and_the_volume_size():

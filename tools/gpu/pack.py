@@ -14,15 +14,23 @@ needs travels in `gpu-pack/` (gitignored; named in the device tool's `carry`):
   travel, so the machine writes a random-weight model of the production architecture at its size
   (tools/qwen35_gguf.py, Qwen3.5-4B) and benchmarks that: speed does not depend on the weights;
 
-There, `tools/gpu/remote.sh` builds llama.cpp with CUDA for sm_90, creates a venv offline from the
-wheels, writes the model, and runs `tools.bench.engine` and the `tools.bench.server` concurrency
-sweep with every layer on the GPU.
+- `cmake-args`: the CUDA image's llama.cpp CMake flags, read from `container/Dockerfile` (the one
+  source of truth) with the architecture set to the machine's (sm_90): what is measured is built as
+  what ships;
+- `serve-env.json`: GpuStack's container environment, read from its template snapshot
+  (tests/stacks/__snapshots__), so the server there runs with the settings the endpoint gets.
+
+There, `tools/gpu/remote.sh` does everything in ONE call of at most 600 s (files one call writes may
+be gone by the next): a venv offline from the wheels, the CUDA build (with the model written beside
+it), the image's library layout (`container/llama-libs.sh`), then `tools.gpu.measure`'s steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -68,6 +76,10 @@ SDIST_TOP_DROPPED = (".git", "docker", "docs", "examples", "tests")
 # ggml backends kept: the CPU one (always built) and CUDA; the others are added only when enabled.
 GGML_BACKENDS_KEPT = ("ggml-cpu", "ggml-cuda")
 REMOTE_COMMAND = "bash tools/gpu/remote.sh"
+DOCKERFILE = Path("container") / "Dockerfile"
+CUDA_STAGE = "build-cuda"
+MACHINE_ARCHITECTURES = "90"  # the H200 there
+GPU_SNAPSHOT = Path("tests/stacks/__snapshots__/test_snapshots/test_template_matches_snapshot[GpuStack].json")
 
 Runner = Callable[[Sequence[str]], None]
 
@@ -155,6 +167,25 @@ def sdist_download_command(pip: Sequence[str], dest: Path, requirement: str) -> 
         str(dest),
         requirement,
     ]
+
+
+# --- what ships: build flags and container settings ------------------------------------------------
+def cuda_cmake_args(dockerfile: Path, architectures: str = MACHINE_ARCHITECTURES) -> str:
+    """The CUDA stage's `LLAMA_CMAKE_ARGS` with `${CUDA_ARCHITECTURES}` set to `architectures`."""
+    match = re.search(rf'AS {CUDA_STAGE}\n.*?ENV LLAMA_CMAKE_ARGS="([^"]+)"', dockerfile.read_text(), re.S)
+    if match is None:
+        raise PackError(f"{dockerfile} has no LLAMA_CMAKE_ARGS in its {CUDA_STAGE} stage")
+    flags = match.group(1).replace("${CUDA_ARCHITECTURES}", architectures)
+    if "$" in flags:
+        raise PackError(f"unresolved variable in the CUDA build flags: {flags}")
+    return flags
+
+
+def gpu_environment(snapshot: Path) -> dict[str, str]:
+    """GpuStack's container environment, as its synthesized template gives it to the model."""
+    from tools.image.template import model_environment
+
+    return model_environment(json.loads(snapshot.read_text()))
 
 
 # --- the trimmed sdist -----------------------------------------------------------------------------
@@ -269,6 +300,13 @@ def pack(
             trim_sdist(found[0], partial)
             partial.replace(sdist)
 
+    settings = out / "cmake-args"
+    settings.write_text(cuda_cmake_args(repo / DOCKERFILE) + "\n", encoding="utf-8")
+    environment = out / "serve-env.json"
+    environment.write_text(
+        json.dumps(gpu_environment(repo / GPU_SNAPSHOT), indent=1) + "\n", encoding="utf-8"
+    )
+
     tokenizer = out / "tokenizer.gguf"
     if not tokenizer.is_file():
         from tools.qwen35_gguf import write_tokenizer_only
@@ -279,7 +317,7 @@ def pack(
         Part("wheels", size_of([wheels])),
         Part("llama.cpp sdist", size_of([sdist])),
         Part("tokenizer", size_of([tokenizer])),
-        Part("lists", size_of([requirements, constraint])),
+        Part("lists", size_of([requirements, constraint, settings, environment])),
     ]
 
 
@@ -305,8 +343,8 @@ def instructions(total: int, parts: Sequence[Part], tree: int) -> str:
         f"of {mib(TREE_LIMIT_BYTES)}.\n"
         f'On the GPU machine (device tool: carry ["{PACK_DIR}"], timeout_s 600), run:\n'
         f"    {REMOTE_COMMAND}\n"
-        "The first call builds llama.cpp (CUDA, sm_90) and the venv and writes the model; if it stops\n"
-        "there for lack of time, run the same command again: what it built is kept.\n"
+        "One call builds llama.cpp as the CUDA image does (sm_90), writes the model, starts `serve` with\n"
+        "GpuStack's settings and measures; each step stops cleanly when its time is not left.\n"
     )
 
 

@@ -1,28 +1,38 @@
 #!/usr/bin/env bash
-# `make bench-gpu`, the part that runs on the GPU machine (no network): from the working tree with
-# gpu-pack/ (tools/gpu/pack.py), build llama-cpp-python with CUDA for sm_90, a Python 3.12 venv
-# from the carried wheels, a random-weight Qwen3.5-4B-shaped model (tools/qwen35_gguf.py), then run
-# tools.bench.engine and the tools.bench.server concurrency sweep with every layer on the GPU, in
-# their quick modes, and print their lines.
+# `make bench-gpu`, the part that runs on the GPU machine (no network), in ONE call of at most 600 s:
+# files one call writes may be gone by the next, so nothing here counts on an earlier run.
 #
-# Everything it builds goes to .gpu/ (gitignored), which the device machine keeps between calls:
-# when one call (at most 10 minutes) ends after the build, the next one goes straight to the
-# benchmarks. A step starts only if the time it usually takes is left (BENCH_GPU_BUDGET_S, default
-# 570 s per call). Logs and results go to .gpu/out, copied to $OUT (the device tool brings it back).
+#   1. a Python 3.12 venv from the carried wheels (gpu-pack/wheels);
+#   2. llama-cpp-python built with the CUDA image's own CMake flags (gpu-pack/cmake-args, read from
+#      container/Dockerfile: GGML_NATIVE=OFF, backends as loadable libraries, sm_90 here) while the
+#      random-weight Qwen3.5-4B-shaped model is written beside the build;
+#   3. the libraries laid out as in the image (container/llama-libs.sh);
+#   4. tools.gpu.measure: the load probe (and, if the shipped settings crash, why), JevBench-240 through
+#      `serve` one case at a time then 8 in flight, engine_vs_limit, GPU against CPU.
+#
+# A step starts only when the time it needs is left of BENCH_GPU_BUDGET_S (default 575 s), and each
+# is cut at what is left; every result is a line starting with `gpu_`. Logs go to .gpu/out, copied
+# to $OUT as one archive (the device tool brings it back).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PACK=$REPO/gpu-pack
-WORK=$REPO/.gpu
+WORK=${BENCH_GPU_WORK:-$REPO/.gpu}
 VENV=$WORK/venv
 MODEL=$WORK/models/qwen35-4b-random-Q4_1.gguf
 RESULTS=$WORK/out
-BUDGET=${BENCH_GPU_BUDGET_S:-570}
-CUDA_CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"
+BUDGET=${BENCH_GPU_BUDGET_S:-575}
 STARTED=$SECONDS
 mkdir -p "$WORK" "$RESULTS"
+# The device tool brings back at most 8 files from $OUT: one archive of every log, and the result lines.
+save_results() {
+  set +e
+  tar czf "$OUT/gpu-results.tar.gz" -C "$RESULTS" . 2>/dev/null
+  grep -h "^gpu_" "$RESULTS"/*.log > "$OUT/results.txt" 2>/dev/null
+  return 0
+}
 if [ -n "${OUT:-}" ]; then
-  trap 'cp -r "$RESULTS"/. "$OUT"/ 2>/dev/null || true' EXIT
+  trap save_results EXIT
 fi
 
 say() { printf '[bench-gpu +%ss] %s\n' "$((SECONDS - STARTED))" "$*"; }
@@ -30,7 +40,7 @@ left() { echo $((BUDGET - (SECONDS - STARTED))); }
 # need SECONDS WHAT: stop cleanly (exit 0) when fewer than SECONDS are left for WHAT.
 need() {
   if [ "$(left)" -lt "$1" ]; then
-    say "stopping before $2: about $1 s needed, $(left) s left of this call; run the same command again"
+    say "stopping before $2: about $1 s needed, $(left) s left of this call"
     exit 0
   fi
 }
@@ -44,10 +54,12 @@ PYTHON=${PYTHON:-python3.12}
 for tool in "$PYTHON" nvcc cmake ninja; do
   "$tool" --version >/dev/null 2>&1 || { echo "bench-gpu: $tool not found (or it does not run)" >&2; exit 2; }
 done
+CMAKE_FLAGS=$(cat "$PACK/cmake-args")
 say "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'nvidia-smi: no answer')"
-say "$(nvcc --version | tail -1); $(cmake --version | head -1); ninja $(ninja --version); $("$PYTHON" --version); $(nproc) cores"
+say "$(nvcc --version | tail -1); $(cmake --version | head -1); ninja $(ninja --version); $("$PYTHON" --version); $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+say "CPU features: $(grep -m1 -o -w -E 'avx512f|avx512_bf16|avx512_vnni|amx_tile|amx_int8|amx_bf16|avx_vnni' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 
-# --- the venv, offline ------------------------------------------------------------------------------
+# --- 1. the venv, offline ---------------------------------------------------------------------------
 if [ ! -f "$VENV/.deps" ]; then
   need 60 "the venv"
   if ! "$PYTHON" -m venv "$VENV" 2>/dev/null; then  # no ensurepip: bootstrap the carried pip wheel
@@ -66,61 +78,74 @@ if [ ! -f "$VENV/.deps" ]; then
   touch "$VENV/.deps"
   say "venv ready"
 fi
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-# --- llama-cpp-python with CUDA (sm_90); an interrupted build resumes in .gpu/llama-build ------------
-if ! "$VENV/bin/python" -c 'import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())' 2>/dev/null; then
-  if ! { find /usr/local/cuda*/include /usr/local/cuda*/targets/*/include /usr/include -maxdepth 1 \
-      -name cublas_v2.h 2>/dev/null || true; } | grep -q .; then
-    say "warning: no cublas_v2.h under /usr/local/cuda* or /usr/include: llama.cpp's CUDA backend links cuBLAS"
-  fi
+# --- 2. llama-cpp-python as the CUDA image builds it, the model written meanwhile --------------------
+write_model() {
+  [ -f "$MODEL" ] && return 0
+  mkdir -p "$(dirname "$MODEL")"
+  "$VENV/bin/python" -m tools.qwen35_gguf --tokenizer "$PACK/tokenizer.gguf" --shape 4b --out "$MODEL.partial" \
+    > "$RESULTS/model.log" 2>&1 && mv "$MODEL.partial" "$MODEL"
+}
+cd "$REPO"
+write_model &
+model_pid=$!
+if [ ! -f "$site/llama_cpp/lib/libggml-cuda.so" ]; then
   need 240 "the llama.cpp CUDA build"
-  # One fixed source directory, so that CMake's cache in the build directory stays valid across calls.
   if [ ! -f "$WORK/llama-src/pyproject.toml" ]; then
     rm -rf "$WORK/llama-src" && mkdir -p "$WORK/llama-src"
     tar xzf "$PACK"/llama_cpp_python-*.tar.gz -C "$WORK/llama-src" --strip-components=1
   fi
-  say "building llama-cpp-python: CMAKE_ARGS=$CUDA_CMAKE_ARGS (log: $RESULTS/llama-build.log)"
-  if ! CMAKE_ARGS=$CUDA_CMAKE_ARGS CMAKE_GENERATOR=Ninja CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  say "building llama-cpp-python: CMAKE_ARGS=$CMAKE_FLAGS (log: $RESULTS/llama-build.log)"
+  if ! CMAKE_ARGS=$CMAKE_FLAGS CMAKE_GENERATOR=Ninja CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
       timeout "$(($(left) - 10))" "$VENV/bin/pip" install --disable-pip-version-check --no-index \
       --no-build-isolation --no-deps --config-settings=build-dir="$WORK/llama-build" \
       "$WORK/llama-src" > "$RESULTS/llama-build.log" 2>&1; then
     tail -30 "$RESULTS/llama-build.log"
-    say "the build stopped (time or error, above); run the same command again to resume it"
+    say "the build stopped (time or error, above)"
     exit 1
   fi
-  "$VENV/bin/python" -c 'import llama_cpp, sys; sys.exit(not llama_cpp.llama_supports_gpu_offload())' \
-    || { say "llama-cpp-python built without GPU offload: see $RESULTS/llama-build.log"; exit 1; }
-  say "llama-cpp-python built with CUDA"
+  sh "$REPO/container/llama-libs.sh" "$site" > "$RESULTS/llama-libs.log"
+  say "llama-cpp-python built with CUDA: $(ls "$site/llama_cpp/lib" | tr '\n' ' ')"
 fi
-
-# --- the model ---------------------------------------------------------------------------------------
-if [ ! -f "$MODEL" ]; then
-  need 90 "writing the model"
-  "$VENV/bin/python" -m tools.qwen35_gguf --tokenizer "$PACK/tokenizer.gguf" --shape 4b --out "$MODEL"
-fi
-
-# --- the benchmarks, every layer on the GPU ---------------------------------------------------------
-bench() {  # bench NAME SECONDS ARGS...: run tools.bench.NAME through the launcher, keep its output
-  local name=$1 seconds=$2
-  shift 2
-  need "$seconds" "bench-$name"
-  say "bench-$name $* (full output: $RESULTS/bench-$name.log)"
-  if timeout "$(($(left) - 5))" "$VENV/bin/python" -m tools.gpu.launch "$name" "$MODEL" --n-gpu-layers -1 \
-      "$@" > "$RESULTS/bench-$name.log" 2>&1; then
-    touch "$RESULTS/bench-$name.done"
-  else
-    say "bench-$name exited with $?"
-  fi
-  tail -25 "$RESULTS/bench-$name.log"
-}
-cd "$REPO"
-for name in engine server; do
-  if [ -f "$RESULTS/bench-$name.done" ]; then
-    say "bench-$name already ran in an earlier call:" && tail -8 "$RESULTS/bench-$name.log"
-  elif [ "$name" = engine ]; then
-    bench engine 150 --quick --json "$RESULTS/bench-engine.json"
-  else
-    bench server 200 --quick --concurrency 1,4,8
-  fi
+# The toolchain's facts: a libggml that defines C++ standard library symbols would interpose them on
+# libllama (it comes first in libllama's lookup scope), which is how the first run here crashed.
+say "toolchain: $(c++ --version | head -1); CXXFLAGS='${CXXFLAGS:-}' LDFLAGS='${LDFLAGS:-}'"
+for lib in libggml.so.0 libggml-base.so.0 libllama.so.0; do
+  say "$lib: $(stat -c %s "$site/llama_cpp/lib/$lib") bytes, $(nm -DC --defined-only "$site/llama_cpp/lib/$lib" 2>/dev/null | grep -c ' std::') std:: symbols defined"
 done
-say "done"
+ninja -C "$WORK/llama-build" -t commands ggml 2>/dev/null | grep -- '-o bin/libggml.so\|libggml.so.0' | tail -1 | cut -c1-600 \
+  > "$RESULTS/libggml-link.txt" || true
+nm -DC --defined-only "$site/llama_cpp/lib/libggml.so.0" 2>/dev/null | grep ' std::' | head -40 > "$RESULTS/libggml-std-symbols.txt" || true
+wait "$model_pid" || { cat "$RESULTS/model.log"; say "writing the model failed"; exit 1; }
+say "model: $(du -h "$MODEL" | cut -f1) $MODEL"
+
+# --- 3. the measurements ----------------------------------------------------------------------------
+# step NAME NEED MAX: run tools.gpu.measure NAME when NEED seconds are left, for at most MAX of them.
+step() {
+  local name=$1 needed=$2 most=$3
+  need "$needed" "$name"
+  local seconds=$(( $(left) - 5 < most ? $(left) - 5 : most ))
+  say "$name (at most ${seconds} s; log: $RESULTS/$name.log)"
+  set +e
+  # what the probe found to load (tools.gpu.measure's overrides.json), for this process too: LD_PRELOAD
+  # only acts when a process starts
+  local preload
+  preload=$("$VENV/bin/python" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("LD_PRELOAD", ""))' \
+    "$RESULTS/overrides.json" 2>/dev/null)
+  LD_PRELOAD=$preload timeout "$((seconds + 20))" "$VENV/bin/python" -m tools.gpu.measure "$name" "$MODEL" \
+    --env "$PACK/serve-env.json" --out "$RESULTS" --seconds "$seconds" 2>&1 | tee "$RESULTS/$name.log" \
+    | grep -E '^(gpu_|backends|later steps|native backtrace|  \|)' 
+  local status=${PIPESTATUS[0]}
+  set -e
+  [ "$status" -eq 0 ] || say "$name exited with $status"
+  return "$status"
+}
+step probe 30 90 || { say "the model does not load with any setting tried: nothing to measure"; exit 1; }
+step serve 60 110 || true
+step limit 30 40 || true
+step gpu-answers 20 25 || true
+step cpu-answers 30 70 || true
+step parity 5 10 || true
+say "done; the result lines:"
+grep -h '^gpu_' "$RESULTS"/*.log || true

@@ -74,6 +74,18 @@ class ModelInfo(BaseModel):
     markers: dict[str, list[str]]  # token texts caller text never becomes, by source (engine/markers.py)
 
 
+def context_config(settings: Settings, *, count_passes: bool = False) -> ContextConfig:
+    """The llama.cpp context the settings ask for (the server's load and its load probe alike)."""
+    return ContextConfig(
+        n_ctx=settings.n_ctx,
+        policy=settings.batch_policy,
+        n_threads=settings.threads(),
+        n_gpu_layers=settings.n_gpu_layers,
+        flash_attn=settings.flash_attn,
+        count_passes=count_passes,
+    )
+
+
 class DecisionEngine:
     """One model, one llama context, decisions and chat."""
 
@@ -110,14 +122,7 @@ class DecisionEngine:
         `count_passes`: the runtime counts forward passes (`runtime.passes`; benchmarks, tests)."""
         path = resolve_model_file(settings)
         digest = verify_sha256(path, settings)
-        config = ContextConfig(
-            n_ctx=settings.n_ctx,
-            policy=settings.batch_policy,
-            n_threads=settings.threads(),
-            n_gpu_layers=settings.n_gpu_layers,
-            flash_attn=settings.flash_attn,
-            count_passes=count_passes,
-        )
+        config = context_config(settings, count_passes=count_passes)
         try:
             runtime = LlamaRuntime(path, config)
         except InvarianceUnsupportedError as exc:  # asked for on a model where it cannot hold

@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -238,14 +239,30 @@ def choose_cpu_variant(directory: Path, model: Path | None, cache: Path | None =
     raise StartupError(f"no llama.cpp CPU variant in {directory} decodes on this host: {'; '.join(refused)}")
 
 
-def loaded_backend_libraries() -> tuple[str, ...]:
-    """File names of the ggml backend libraries mapped into this process (Linux; () elsewhere)."""
+def loaded_backend_paths() -> tuple[Path, ...]:
+    """The ggml backend libraries mapped into this process (Linux; () elsewhere)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return ()
-    names = {Path(line.split()[-1]).name for line in maps.splitlines() if "/libggml-" in line}
-    return tuple(sorted(name for name in names if not name.startswith("libggml-base")))
+    paths = {Path(line.split()[-1]) for line in maps.splitlines() if "/libggml-" in line}
+    return tuple(sorted(path for path in paths if not path.name.startswith("libggml-base")))
+
+
+def loaded_backend_libraries() -> tuple[str, ...]:
+    """File names of the ggml backend libraries mapped into this process (Linux; () elsewhere)."""
+    return tuple(path.name for path in loaded_backend_paths())
+
+
+def load_backend_files(paths: Sequence[Path]) -> None:
+    """Register exactly these backend libraries (another process's choice, e.g. the server's for its
+    load probe), unless backends are built in and already registered."""
+    lib = _ggml()
+    if lib.ggml_backend_reg_count() != 0:
+        return
+    for path in paths:
+        if not lib.ggml_backend_load(str(path).encode()):
+            raise StartupError(f"the ggml backend {path} does not load")
 
 
 def _devices(lib: ctypes.CDLL) -> tuple[Device, ...]:

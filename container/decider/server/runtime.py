@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 from decider.engine.jobs import shutting_down
 from decider.engine.loop import Backend
 from decider.engine.scheduler import Scheduler
-from decider.errors import StartupError, UnavailableError
+from decider.errors import EXIT_STARTUP_FAILED, StartupError, UnavailableError
 from decider.server.intake import Intake
 from decider.server.metrics import ServerMetrics
 from decider.settings import Settings
@@ -59,7 +59,8 @@ def load_engine(settings: Settings) -> Engine:
     """The production loader: register llama.cpp backends (a GPU one when GPU layers are
     requested), then load and verify the GGUF."""
     from decider.engine import DecisionEngine
-    from decider.engine.ggml_backends import ensure_backends, require_gpu
+    from decider.engine.ggml_backends import ensure_backends, loaded_backend_paths, require_gpu
+    from decider.engine.load_probe import check_load
     from decider.engine.modelfile import resolve_model_file, verify_sha256
 
     model = resolve_model_file(settings)
@@ -68,6 +69,8 @@ def load_engine(settings: Settings) -> Engine:
     backends = ensure_backends(model, cache=cache)
     log.info("llama.cpp backends: %s", backends.describe())
     require_gpu(backends, settings.n_gpu_layers, setting=settings.env_name("n_gpu_layers"))
+    if settings.load_probe:
+        check_load(model, settings, loaded_backend_paths(), backends_described=backends.describe())
     return DecisionEngine.load(settings)
 
 
@@ -101,6 +104,7 @@ class ServerRuntime:
         self.state: State = "loading"
         self.engine: Engine | None = None
         self.failure: str | None = None
+        self.exit_code = EXIT_STARTUP_FAILED  # serve's status when the start fails (StartupError.exit_code)
         self.loaded_at: float | None = None
 
     def start_loading(self, on_fatal: Callable[[str], None]) -> asyncio.Future[None]:
@@ -118,6 +122,7 @@ class ServerRuntime:
             except BaseException as exc:  # everything here is fatal: report it as one line
                 self.state = "failed"
                 self.failure = describe_failure(exc)
+                self.exit_code = getattr(exc, "exit_code", EXIT_STARTUP_FAILED)
                 log.debug("model load failed", exc_info=True)
                 loop.call_soon_threadsafe(on_fatal, self.failure)
                 return

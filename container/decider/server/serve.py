@@ -17,7 +17,6 @@ from decider.settings import Settings
 
 log = logging.getLogger("decider.server")
 EXIT_OK = 0
-EXIT_STARTUP_FAILED = 1
 
 
 class _Server(uvicorn.Server):
@@ -43,7 +42,7 @@ class _Server(uvicorn.Server):
 
 
 def run(settings: Settings, *, loader: EngineLoader = load_engine) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0) or a fatal start-up error (exit 1)."""
+    """Serve until SIGTERM/SIGINT (exit 0) or a fatal start-up error (its `StartupError.exit_code`)."""
     failed = threading.Event()
     server: _Server | None = None
 
@@ -66,4 +65,4 @@ def run(settings: Settings, *, loader: EngineLoader = load_engine) -> int:
     )
     server = _Server(config)
     server.run()
-    return EXIT_STARTUP_FAILED if failed.is_set() else EXIT_OK
+    return app.state.runtime.exit_code if failed.is_set() else EXIT_OK
