@@ -72,6 +72,9 @@ RESERVED_BUILD_ARGS = frozenset({"VARIANT", "CUDA_ARCHITECTURES"})
 # itself instead of CloudFormation's generic one.
 CUSTOM_RESOURCE_TIMEOUT_S = 3600
 PROVIDER_TOTAL_TIMEOUT_MINUTES = 55
+# The provider's polling Lambda (isComplete): the post-deploy check's and the bake load's calls through
+# sagemaker-runtime must end within it (stacks/handlers/runtime_client.py bounds each call).
+IS_COMPLETE_TIMEOUT_S = 300
 # The image build may take longer, so its result arrives as a signal on an
 # AWS::CloudFormation::WaitCondition, whose Timeout is at most 43200 s (12 h).
 WAIT_CONDITION_MAX_S = 43_200

@@ -31,6 +31,7 @@ from stacks.common import retention_days
 from stacks.config import (
     BUILD_DEADLINE_GRACE_MINUTES,
     BUILD_START_RETRY_MINUTES,
+    IS_COMPLETE_TIMEOUT_S,
     PROVIDER_TOTAL_TIMEOUT_MINUTES,
     AppConfig,
     ModelArtifact,
@@ -340,11 +341,12 @@ class BuildProvider(Construct):
             "Deploy-time jobs: start or settle",
             environment=limits,
         )
-        # Long enough for the post-deploy check's two invocations (each up to 60 s, SageMaker's limit).
+        # The post-deploy check and the bake load start a sagemaker-runtime call only while this
+        # function's time left holds it (every attempt hanging) and what follows (handlers/runtime_client.py).
         is_complete = handler(
             "IsComplete",
             "codebuild_job.is_complete",
-            Duration.minutes(5),
+            Duration.seconds(IS_COMPLETE_TIMEOUT_S),
             "Deploy-time jobs: poll",
             environment=limits,
         )

@@ -35,9 +35,10 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 try:  # package import (tools, tests)
-    from . import post_deploy_check, smoke
+    from . import post_deploy_check, runtime_client, smoke
 except ImportError:  # the Lambda asset's root
     import post_deploy_check  # type: ignore[no-redef]
+    import runtime_client  # type: ignore[no-redef]
     import smoke  # type: ignore[no-redef]
 
 LOG = logging.getLogger(__name__)
@@ -46,6 +47,12 @@ START_GRACE = timedelta(minutes=5)  # for the endpoint to turn Updating
 GIVE_UP_AFTER = timedelta(minutes=50)  # the provider fails a resource at 55 min
 POLL_BUDGET_S = 120.0  # a poll ends after this, right after meeting a minute's quota
 POLL_LIMIT_S = 240.0  # and never later than this (the polling Lambda times out at 300 s)
+# The polling Lambda's timeout (stacks/image_stack.py, IsComplete; a test keeps them equal): the bound
+# when no Lambda context says how much is left.
+LAMBDA_TIMEOUT_S = 300.0
+RETURN_RESERVE_S = 10.0  # what a poll keeps after its last call, to log and return
+# A request starts only while the Lambda's time left holds it with every attempt hanging.
+CALL_NEED_S = runtime_client.call_budget_s(runtime_client.LOAD_MAX_ATTEMPTS) + RETURN_RESERVE_S
 
 
 def start(clients: Any, event: dict[str, Any], now: datetime | None = None) -> dict[str, Any]:
@@ -62,6 +69,7 @@ class LoadReport:
     sent: int = 0
     failed: int = 0
     per_minute: Counter[int] = field(default_factory=Counter)  # calendar minute -> requests sent
+    stopped_for_time: bool = False  # the Lambda's time left could not hold one more request
 
     def fewest_in_a_full_minute(self) -> int | None:
         """The fewest requests in a minute the poll spanned whole (None: it spanned none)."""
@@ -78,13 +86,21 @@ def synthetic_body(sequence: int, nonce: str) -> bytes:
     return json.dumps(request).encode()
 
 
-def send_load(runtime: Any, endpoint: str, per_minute: int) -> LoadReport:
-    """At least `per_minute` requests in every calendar minute, for about `POLL_BUDGET_S`."""
+def send_load(
+    runtime: Any, endpoint: str, per_minute: int, time_left: runtime_client.TimeLeft | None = None
+) -> LoadReport:
+    """At least `per_minute` requests in every calendar minute, for about `POLL_BUDGET_S`; a request
+    starts only while `time_left()` (this Lambda's seconds left) holds it, with every attempt hanging."""
     report, nonce = LoadReport(), secrets.token_hex(4)
     started = time.time()
+    if time_left is None:
+        time_left = lambda: LAMBDA_TIMEOUT_S - (time.time() - started)  # noqa: E731
     while True:
         now = time.time()
         minute = int(now // 60)
+        if time_left() < CALL_NEED_S:
+            report.stopped_for_time = True
+            return report
         if report.per_minute[minute] < per_minute and now - started < POLL_LIMIT_S:
             report.per_minute[minute] += 1
             report.sent += 1
@@ -106,7 +122,12 @@ def send_load(runtime: Any, endpoint: str, per_minute: int) -> LoadReport:
 
 
 def check(
-    clients: Any, props: dict[str, Any], data: dict[str, Any], now: datetime | None = None
+    clients: Any,
+    props: dict[str, Any],
+    data: dict[str, Any],
+    now: datetime | None = None,
+    *,
+    time_left: runtime_client.TimeLeft | None = None,
 ) -> dict[str, Any]:
     """isComplete: load while Updating; done once the update is over (or never began)."""
     if data.get("Skipped"):
@@ -126,7 +147,7 @@ def check(
     if waited > GIVE_UP_AFTER:
         LOG.warning("%s still updating after %s: stopping the synthetic load", endpoint, waited)
         return {"IsComplete": True, "Data": {"Result": "gave up (update still running)"}}
-    report = send_load(clients["sagemaker-runtime"], endpoint, int(props["LoadPerMinute"]))
+    report = send_load(clients["sagemaker-runtime-load"], endpoint, int(props["LoadPerMinute"]), time_left)
     fewest = report.fewest_in_a_full_minute()
     LOG.info(
         "%s updating: sent %d synthetic requests, %d failed, at least %s in each full minute",

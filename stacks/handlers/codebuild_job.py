@@ -37,12 +37,21 @@ import boto3
 from botocore.exceptions import ClientError
 
 try:  # package import (tools, tests)
-    from . import bake_load, image_retention, post_deploy_check, sagemaker_json, update_guard, wait_signal
+    from . import (
+        bake_load,
+        image_retention,
+        post_deploy_check,
+        runtime_client,
+        sagemaker_json,
+        update_guard,
+        wait_signal,
+    )
     from .build_states import FAILED_STATES
 except ImportError:  # the Lambda asset's root
     import bake_load  # type: ignore[no-redef]
     import image_retention  # type: ignore[no-redef]
     import post_deploy_check  # type: ignore[no-redef]
+    import runtime_client  # type: ignore[no-redef]
     import sagemaker_json  # type: ignore[no-redef]
     import update_guard  # type: ignore[no-redef]
     import wait_signal  # type: ignore[no-redef]
@@ -71,10 +80,16 @@ class Clients:
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._clients:
-            # "sagemaker-json": SageMaker calls with bodies the runtime's botocore would refuse.
-            self._clients[name] = (
-                sagemaker_json.SageMakerJson() if name == "sagemaker-json" else boto3.client(name)
-            )
+            if name == "sagemaker-json":  # SageMaker calls with bodies the runtime's botocore would refuse
+                self._clients[name] = sagemaker_json.SageMakerJson()
+            elif name == "sagemaker-runtime":  # 70 s read timeout, bounded attempts (runtime_client.py)
+                self._clients[name] = runtime_client.runtime_client()
+            elif name == "sagemaker-runtime-load":  # the bake load's: one attempt per request
+                self._clients[name] = runtime_client.runtime_client(
+                    max_attempts=runtime_client.LOAD_MAX_ATTEMPTS
+                )
+            else:
+                self._clients[name] = boto3.client(name)
         return self._clients[name]
 
 
@@ -516,9 +531,11 @@ def on_event(
 
 
 def is_complete(
-    event: dict[str, Any], _context: Any = None, clients: Any = None, now: datetime | None = None
+    event: dict[str, Any], context: Any = None, clients: Any = None, now: datetime | None = None
 ) -> dict[str, Any]:
-    """Done when the job's result exists; raises (and so fails the resource) when it cannot."""
+    """Done when the job's result exists; raises (and so fails the resource) when it cannot. The
+    handlers that call sagemaker-runtime start a call only while this Lambda's time left (`context`)
+    holds it and what must follow it (parking): a Lambda timeout would fail the resource at once."""
     if event["RequestType"] == "Delete":
         return {"IsComplete": True}
     props = event["ResourceProperties"]
@@ -527,9 +544,9 @@ def is_complete(
     now = now or datetime.now(UTC)
     kind = props["Kind"]
     if kind == "PostDeployCheck":
-        return post_deploy_check.check(clients, props, data, now)
+        return post_deploy_check.check(clients, props, data, now, time_left=runtime_client.time_left(context))
     if kind == "BakeLoad":
-        return bake_load.check(clients, props, data, now)
+        return bake_load.check(clients, props, data, now, time_left=runtime_client.time_left(context))
     if kind in ("DeployedImage", "UpdateGuard"):
         return {"IsComplete": True, "Data": data}
     build_id = data.get("BuildId", "")

@@ -395,7 +395,7 @@ def test_every_minute_of_the_bake_gets_the_alarms_floor_of_synthetic_requests(mo
     clock = FakeTime(1_767_268_817.0)  # not on a minute boundary
     monkeypatch.setattr(bake_load, "time", clock)
     runtime = SlowRuntime(clock)
-    clients = {"sagemaker": EndpointStatus("Updating"), "sagemaker-runtime": runtime}
+    clients = {"sagemaker": EndpointStatus("Updating"), "sagemaker-runtime-load": runtime}
     data = {"StartedAt": datetime.fromtimestamp(clock.now, UTC).isoformat()}
     end = clock.now + 15 * 60
     while clock.now < end:
@@ -421,7 +421,7 @@ def test_a_broken_canary_keeps_getting_load_and_the_load_ends_with_the_update(aw
     data = started["Data"]
     status = EndpointStatus("InService")
     runtime = SlowRuntime(clock, fail=True)
-    clients = {"sagemaker": status, "sagemaker-runtime": runtime}
+    clients = {"sagemaker": status, "sagemaker-runtime-load": runtime}
     assert poll_bake(clients, clock, {"StartedAt": clock_iso(clock)}) == {"IsComplete": False}  # not begun
     assert runtime.calls == []
     status.status = "Updating"
