@@ -629,8 +629,12 @@ def grant_source_read(project: codebuild.Project, source: s3_assets.Asset) -> No
 
 
 def grant_models_access(grantee: iam.IGrantable, artifacts: s3.IBucket, *, write: bool) -> None:
-    """Read (and optionally write) the staged models under models/ of the artifacts bucket."""
-    actions = ["s3:GetObject"] + (["s3:PutObject", "s3:AbortMultipartUpload"] if write else [])
+    """Read (and optionally write) the staged models under models/ of the artifacts bucket. Writing
+    includes deleting: the staging build removes a Batch Transform archive an earlier version put
+    under a model prefix the endpoint mounts (buildspec/model.yml)."""
+    actions = ["s3:GetObject"] + (
+        ["s3:PutObject", "s3:AbortMultipartUpload", "s3:DeleteObject"] if write else []
+    )
     grantee.grant_principal.add_to_principal_policy(
         iam.PolicyStatement(actions=actions, resources=[artifacts.arn_for_objects("models/*")])
     )
