@@ -410,6 +410,12 @@ class VariantConfig(_Strict):
 
     name: VariantName
     endpoint_name: str = Field(description="Stable endpoint name (configs get generated names).")
+    replace_endpoint: str | None = Field(
+        None,
+        description="Consent to rename the endpoint of a deployed stack, naming the endpoint the rename "
+        "DELETES. EndpointName is create-only: CloudFormation creates the endpoint under the new name, then "
+        "deletes this one and its log group. Without it the update guard refuses any rename.",
+    )
     instance_type: str = Field(description="SageMaker hosting instance type (first choice).")
     instance_pools: list[str] = Field(
         default_factory=list,
@@ -602,6 +608,13 @@ class VariantConfig(_Strict):
             raise ValueError("must be 1-63 letters, digits or hyphens, starting with a letter or digit")
         return value
 
+    @field_validator("replace_endpoint")
+    @classmethod
+    def _replace_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not ENDPOINT_NAME_RE.match(value):
+            raise ValueError("must name an endpoint: 1-63 letters, digits or hyphens")
+        return value
+
     @field_validator("instance_type")
     @classmethod
     def _instance_type(cls, value: str) -> str:
@@ -683,6 +696,11 @@ class VariantConfig(_Strict):
     @model_validator(mode="after")
     def _consistency(self) -> VariantConfig:
         problems = self._instance_problems()
+        if self.replace_endpoint is not None and self.replace_endpoint == self.endpoint_name:
+            problems.append(
+                "replace_endpoint: names the endpoint a rename deletes (the deployed one), so it cannot be "
+                f"endpoint_name ({self.endpoint_name}) itself"
+            )
         if self.inference_ami_version is not None:
             if not self.is_gpu:
                 problems.append("inference_ami_version: only applies to the gpu variant")

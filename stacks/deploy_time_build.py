@@ -295,5 +295,7 @@ class UpdateGuard(Construct):
                 "Autoscaling": str(variant.autoscaling).lower(),
                 "InitialInstances": str(variant.initial_instance_count),
                 "PeakInstances": str(variant.blue_green_peak),
+                # Consent to delete this endpoint by a rename (update_guard.py); absent unless set.
+                **({"ReplaceEndpoint": variant.replace_endpoint} if variant.replace_endpoint else {}),
             },
         )

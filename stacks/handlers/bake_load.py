@@ -59,6 +59,9 @@ def start(clients: Any, event: dict[str, Any], now: datetime | None = None) -> d
     """onEvent: nothing to do on a first deploy (no blue/green) or while the stack rolls back."""
     if event["RequestType"] != "Update":
         return {"Skipped": "no blue/green update on create"}
+    old = (event.get("OldResourceProperties") or {}).get("EndpointName")
+    if old not in (None, event["ResourceProperties"]["EndpointName"]):
+        return {"Skipped": f"renamed from {old}: a new endpoint, no blue/green"}
     if post_deploy_check.rolling_back(clients["cloudformation"], event["StackId"]):
         return {"Skipped": "rollback"}
     return {"StartedAt": (now or datetime.now(UTC)).isoformat()}

@@ -16,7 +16,9 @@ config under a new name (`<endpoint>-parked-<hash>`, tagged for `promote prune`)
 onto it with an all-at-once blue/green update without alarms (the previous image: the safe state),
 waits for the rollback alarms to leave ALARM, and only then fails. CloudFormation's rollback then
 moves the endpoint from the parked copy back to the previous config, which it can. A first deploy
-(Create) has no previous config and needs no parking: its rollback deletes the endpoint.
+(Create) has no previous config and needs no parking: its rollback deletes the endpoint. Nor does a
+rename (`EndpointName` changed): the endpoint under the new name is new, the rollback deletes it, and
+the previous config belongs to the old endpoint, which the failed update never touched.
 
 During a rollback (the stack is in UPDATE_ROLLBACK_IN_PROGRESS, where CloudFormation sends this
 resource its old properties) nothing is checked: a failure there would leave the stack in
@@ -116,7 +118,15 @@ def start(clients: Any, event: dict[str, Any], now: datetime | None = None) -> d
     data = {"StartedAt": (now or datetime.now(UTC)).isoformat()}
     old = event.get("OldResourceProperties") or {}
     previous = old.get("EndpointConfigName")
-    if event["RequestType"] == "Update" and previous:
+    renamed = old.get("EndpointName") not in (None, event["ResourceProperties"]["EndpointName"])
+    if renamed:  # a new endpoint (the old one is deleted after the update): no previous config to park on
+        LOG.info(
+            "%s replaces %s: a failure is not parked",
+            event["ResourceProperties"]["EndpointName"],
+            old["EndpointName"],
+        )
+        data["Renamed"] = f"{old['EndpointName']} -> {event['ResourceProperties']['EndpointName']}"
+    elif event["RequestType"] == "Update" and previous:
         data["PreviousConfig"] = previous
         if old.get("EndpointConfig"):  # the previous config as synthesized (parking copies it)
             data["PreviousConfigProperties"] = old["EndpointConfig"]

@@ -686,6 +686,63 @@ def test_the_guard_refuses_a_blue_green_peak_above_the_quota(aws):
     assert done["IsComplete"] is True
 
 
+def test_the_guard_refuses_a_rename_unless_replace_endpoint_names_the_endpoint_it_deletes(aws):
+    """Issue 33 §3: EndpointName is create-only: a rename creates the new endpoint and deletes the old one
+    and its log group. Refused before the Endpoint is touched, unless consented by name."""
+    renamed = {**GUARD_PROPS, "EndpointName": "decider-cpu-async", "Invocation": "async"}
+    old = {**GUARD_PROPS, "EndpointConfigName": "OLD"}
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    quotas(aws, 20)
+    with pytest.raises(update_guard.UpdateRefusedError) as refused:
+        codebuild_job.on_event(event("Update", renamed, OldResourceProperties=old), clients=aws["clients"])
+    message = str(refused.value)
+    assert "DELETE decider-cpu" in message and "/aws/sagemaker/Endpoints/decider-cpu" in message
+    assert "-c cpu.replace_endpoint=decider-cpu" in message and "-c cpu.endpoint_name=decider-cpu" in message
+    for consent in ("decider-gpu", "decider-cpu-async"):  # consent must name the endpoint deleted
+        stack_status(aws, "UPDATE_IN_PROGRESS")
+        quotas(aws, 20)
+        with pytest.raises(update_guard.UpdateRefusedError):
+            codebuild_job.on_event(
+                event("Update", {**renamed, "ReplaceEndpoint": consent}, OldResourceProperties=old),
+                clients=aws["clients"],
+            )
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    quotas(aws, 20)
+    accepted = codebuild_job.on_event(
+        event("Update", {**renamed, "ReplaceEndpoint": "decider-cpu"}, OldResourceProperties=old),
+        clients=aws["clients"],
+    )
+    assert "accepted" in accepted["Data"]["Result"]
+
+
+def test_a_renamed_endpoint_is_not_parked_when_its_check_fails(aws):
+    """Issue 33 §3: after a rename the endpoint is new (its rollback deletes it) and the previous config
+    is the old endpoint's: the check fails without parking anything (the Stubber refuses any
+    DescribeEndpointConfig, CreateEndpointConfig or UpdateEndpoint), and the bake load sends nothing."""
+    old = {
+        **CHECK_PROPS,
+        "EndpointName": "decider-cpu-old",
+        "EndpointConfigName": PREVIOUS_CONFIG,
+        "EndpointConfig": json.dumps({"ProductionVariants": [{"VariantName": "AllTraffic"}]}),
+    }
+    started = check_update(aws, old, NOW)
+    assert "PreviousConfig" not in started["Data"] and "Renamed" in started["Data"]
+    aws["clients"]["sagemaker-json"] = recorder = RecordingJson()
+    endpoint(aws, "DeciderConfig-NEW")
+    invocations(aws, {"error": {"code": "model_not_ready"}}, CHAT_OK)
+    late = NOW + post_deploy_check.SMOKE_RETRY_WINDOW + timedelta(seconds=1)
+    with pytest.raises(post_deploy_check.PostDeployCheckError, match="smoke calls on decider-cpu failed"):
+        codebuild_job.is_complete(started, clients=aws["clients"], now=late)
+    assert recorder.calls == []
+    load = event(
+        "Update", LOAD_PROPS, OldResourceProperties={**LOAD_PROPS, "EndpointName": "decider-cpu-old"}
+    )
+    assert (
+        "renamed from decider-cpu-old"
+        in codebuild_job.on_event(load, clients=aws["clients"])["Data"]["Skipped"]
+    )
+
+
 def test_the_guard_checks_the_first_fleet_on_create_and_nothing_while_rolling_back(aws):
     quotas(aws, 1)
     with pytest.raises(update_guard.UpdateRefusedError, match="runs 2 instances to start"):
