@@ -86,7 +86,8 @@ class Clients:
                 self._clients[name] = runtime_client.runtime_client()
             elif name == "sagemaker-runtime-load":  # the bake load's: one attempt per request
                 self._clients[name] = runtime_client.runtime_client(
-                    max_attempts=runtime_client.LOAD_MAX_ATTEMPTS
+                    max_attempts=runtime_client.LOAD_MAX_ATTEMPTS,
+                    max_pool_connections=runtime_client.LOAD_MAX_CONNECTIONS,
                 )
             else:
                 self._clients[name] = boto3.client(name)

@@ -33,13 +33,20 @@ CONNECT_TIMEOUT_S = 10
 DEPLOY_MAX_ATTEMPTS = 2
 # The bake load's synthetic requests are not retried: the rollback alarms count every invocation, and
 # the next request is due seconds later. One attempt (80 s at most) lets a poll keep sending until
-# 210 s into its 5 minutes.
+# 210 s into its 5 minutes. They run in parallel (a hanging one must not hold up the next): a
+# connection each.
 LOAD_MAX_ATTEMPTS = 1
+LOAD_MAX_CONNECTIONS = 50
 MAX_BACKOFF_S = 20  # botocore.retries.standard's cap on one retry's sleep
 
 
-def runtime_config(max_attempts: int = DEPLOY_MAX_ATTEMPTS, user_agent_extra: str | None = None) -> Config:
+def runtime_config(
+    max_attempts: int = DEPLOY_MAX_ATTEMPTS,
+    user_agent_extra: str | None = None,
+    max_pool_connections: int = 10,
+) -> Config:
     options: dict[str, Any] = {
+        "max_pool_connections": max_pool_connections,  # botocore's default is 10
         # total_max_attempts counts the first attempt; botocore's `max_attempts` counts only retries.
         "retries": {"mode": "standard", "total_max_attempts": max_attempts},
         "connect_timeout": CONNECT_TIMEOUT_S,
@@ -51,11 +58,15 @@ def runtime_config(max_attempts: int = DEPLOY_MAX_ATTEMPTS, user_agent_extra: st
 
 
 def runtime_client(
-    session: Any = None, *, max_attempts: int = DEPLOY_MAX_ATTEMPTS, user_agent_extra: str | None = None
+    session: Any = None,
+    *,
+    max_attempts: int = DEPLOY_MAX_ATTEMPTS,
+    user_agent_extra: str | None = None,
+    max_pool_connections: int = 10,
 ) -> Any:
     """A sagemaker-runtime client with the 70 s read timeout and bounded attempts (from `session`, a
-    boto3.Session, or boto3's default one)."""
-    config = runtime_config(max_attempts, user_agent_extra)
+    boto3.Session, or boto3's default one); `max_pool_connections` for callers with calls in parallel."""
+    config = runtime_config(max_attempts, user_agent_extra, max_pool_connections)
     return (session or boto3).client("sagemaker-runtime", config=config)
 
 

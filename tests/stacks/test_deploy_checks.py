@@ -350,8 +350,27 @@ class FakeTime:
         self.now += max(0.0, seconds)
 
 
+class InlineExecutor:
+    """Stands in for bake_load's thread pool: runs each request at once, so that the fake clock says
+    when it was sent (the dispatcher paces them 2 s apart: bake_load.PACE_S)."""
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        future: Future[None] = Future()
+        fn(*args)
+        future.set_result(None)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 class SlowRuntime:
-    """sagemaker-runtime answering each InvokeEndpoint after 2 s of fake time (a CPU endpoint's pace)."""
+    """sagemaker-runtime answering each InvokeEndpoint (2 s apart: the dispatcher's pace)."""
 
     def __init__(self, clock: FakeTime, *, fail: bool = False) -> None:
         self.clock, self.fail = clock, fail
@@ -359,7 +378,6 @@ class SlowRuntime:
 
     def invoke_endpoint(self, **kwargs: Any) -> dict[str, Any]:
         self.calls.append((self.clock.now, kwargs))
-        self.clock.now += 2.0
         if self.fail:
             raise ClientError({"Error": {"Code": "ModelError", "Message": "500"}}, "InvokeEndpoint")
         return {"Body": body(DECISION_OK), "ContentType": "application/json"}
@@ -387,13 +405,14 @@ def poll_bake(clients: dict[str, Any], clock: FakeTime, data: dict[str, Any]) ->
 
 
 def test_every_minute_of_the_bake_gets_the_alarms_floor_of_synthetic_requests(monkeypatch):
-    """With 2 s answers and the provider's 30 s between polls, every calendar minute (CloudWatch's
+    """With requests 2 s apart and the provider's 30 s between polls, every calendar minute (CloudWatch's
     period) of the bake gets LoadPerMinute (12) requests, at least error_rate_min_invocations (10)."""
     from stacks.config import load_config
     from stacks.synth import cdk_json_context
 
     clock = FakeTime(1_767_268_817.0)  # not on a minute boundary
     monkeypatch.setattr(bake_load, "time", clock)
+    monkeypatch.setattr(bake_load, "ThreadPoolExecutor", InlineExecutor)
     runtime = SlowRuntime(clock)
     clients = {"sagemaker": EndpointStatus("Updating"), "sagemaker-runtime-load": runtime}
     data = {"StartedAt": datetime.fromtimestamp(clock.now, UTC).isoformat()}
@@ -415,6 +434,7 @@ def test_every_minute_of_the_bake_gets_the_alarms_floor_of_synthetic_requests(mo
 def test_a_broken_canary_keeps_getting_load_and_the_load_ends_with_the_update(aws, monkeypatch):
     clock = FakeTime(1_767_268_800.0)
     monkeypatch.setattr(bake_load, "time", clock)
+    monkeypatch.setattr(bake_load, "ThreadPoolExecutor", InlineExecutor)
     stack_status(aws, "UPDATE_IN_PROGRESS")
     started = codebuild_job.on_event(event("Update", LOAD_PROPS), clients=aws["clients"], now=NOW)
     assert started["PhysicalResourceId"] == "bake-load:decider-cpu"

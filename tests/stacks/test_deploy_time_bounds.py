@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -43,10 +46,19 @@ PREVIOUS_PROPERTIES = {
 
 
 class FakeClock:
-    """Stands in for the `time` module of bake_load and botocore.endpoint (retry backoff)."""
+    """Stands in for the `time` module of bake_load and botocore.endpoint (retry backoff).
+
+    A call made on the main thread (the post-deploy check's) moves the clock by its own duration; one
+    made on a worker thread (the bake load's pool) waits until the main thread's sleeps have moved the
+    clock past its end, as a call in parallel would. A sleep moves the clock only while every task
+    handed to the pool is waiting on it (none is starting or finishing), so each starts at the time
+    it was sent and ends at the time its call ends."""
 
     def __init__(self, start: float) -> None:
         self.now = start
+        self.cond = threading.Condition()
+        self.hanging: list[float] = []  # ends of the calls in progress on worker threads
+        self.running = 0  # tasks handed to the pool and not finished
 
     def time(self) -> float:
         return self.now
@@ -54,8 +66,28 @@ class FakeClock:
     def monotonic(self) -> float:
         return self.now
 
+    def _quiet(self) -> bool:
+        return self.running == len(self.hanging)
+
     def sleep(self, seconds: float) -> None:
-        self.now += max(0.0, seconds)
+        with self.cond:
+            assert self.cond.wait_for(self._quiet, timeout=10)
+            self.now += max(0.0, seconds)
+            self.cond.notify_all()
+            assert self.cond.wait_for(self._quiet, timeout=10)
+
+    def call(self, seconds: float) -> None:
+        """A runtime call that takes `seconds`."""
+        with self.cond:
+            if threading.current_thread() is threading.main_thread():
+                self.now += seconds
+                return
+            end = self.now + seconds
+            self.hanging.append(end)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.now >= end, timeout=30)
+            self.hanging.remove(end)
+            self.cond.notify_all()
 
 
 class LambdaContext:
@@ -131,8 +163,29 @@ class HangingCanaryClients(codebuild_job.Clients):
 
     def _hang(self, client: Any, request: Any, **_: Any) -> None:
         self.attempts += 1
-        self.clock.now += client.meta.config.read_timeout
+        self.clock.call(client.meta.config.read_timeout)
         raise ReadTimeoutError(endpoint_url=request.url)
+
+
+class CountingPool(ThreadPoolExecutor):
+    """bake_load's pool, telling the clock which tasks are running."""
+
+    clock: FakeClock
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        clock = self.clock
+        with clock.cond:
+            clock.running += 1
+
+        def run() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with clock.cond:
+                    clock.running -= 1
+                    clock.cond.notify_all()
+
+        return super().submit(run)
 
 
 @pytest.fixture
@@ -146,6 +199,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock(1_767_268_817.0)
     monkeypatch.setattr(bake_load, "time", fake)
     monkeypatch.setattr(botocore.endpoint, "time", fake)  # botocore's sleeps between attempts
+    monkeypatch.setattr(CountingPool, "clock", fake, raising=False)
+    monkeypatch.setattr(bake_load, "ThreadPoolExecutor", CountingPool, raising=False)
     return fake
 
 
@@ -193,7 +248,18 @@ def test_a_hanging_canary_fails_the_post_deploy_check_by_parking_within_each_lam
     assert clients.attempts >= 2  # the hang was met, and retried as the client's config says
 
 
-def test_a_hanging_canary_ends_every_bake_load_poll_within_its_lambda(clock):
+def test_a_hanging_canary_ends_every_bake_load_poll_within_its_lambda_and_gets_the_floor(clock, monkeypatch):
+    """Every synthetic request hangs for the client's read timeout: each poll still returns within the
+    polling Lambda, and every calendar minute still gets LoadPerMinute requests (the rollback alarms
+    count a minute below their invocation floor as 0 %: a hanging canary must not starve them)."""
+    from stacks.config import load_config
+    from stacks.synth import cdk_json_context
+
+    reports: list[bake_load.LoadReport] = []
+    send_load = bake_load.send_load
+    monkeypatch.setattr(
+        bake_load, "send_load", lambda *a, **k: reports.append(send_load(*a, **k)) or reports[-1]
+    )
     clients = HangingCanaryClients(clock, FakeSageMaker(live=PREVIOUS, status="Updating"))
     props = {
         "ServiceToken": SERVICE_TOKEN,
@@ -206,9 +272,14 @@ def test_a_hanging_canary_ends_every_bake_load_poll_within_its_lambda(clock):
     for _ in range(5):
         result, took = poll(clock, clients, props, data)
         assert result == {"IsComplete": False}
-        assert took <= IS_COMPLETE_TIMEOUT_S
+        assert took <= IS_COMPLETE_TIMEOUT_S, took
         clock.now += 30
-    assert clients.attempts >= 5
+    per_minute = sum((r.per_minute for r in reports), Counter())
+    full = sorted(per_minute)[1:-1]
+    assert len(full) >= 10
+    floor = load_config(cdk_json_context()).cpu.alarms.error_rate_min_invocations
+    assert min(per_minute[m] for m in full) >= int(props["LoadPerMinute"]) >= floor, per_minute
+    assert clients.attempts == sum(r.sent for r in reports) == sum(r.failed for r in reports)
 
 
 def test_promote_and_the_handlers_build_sagemaker_runtime_with_one_factory(clock):
