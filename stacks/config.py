@@ -46,9 +46,22 @@ EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 # On every model and endpoint config of an endpoint (the stacks' and `promote apply`'s): which endpoint
 # they belong to. `promote prune` deletes the unused ones it finds by this tag.
 ENDPOINT_TAG = "promote:endpoint"
-# The model as one gzip'd tar archive beside the GGUF, for Batch Transform (ModelDataUrl): written by the
-# model-staging build when a variant sets batch_transform, expected in a prebuilt model_s3_uri prefix.
+# The model as one gzip'd tar archive, for Batch Transform (ModelDataUrl): written by the model-staging
+# build when a variant sets batch_transform, expected beside a prebuilt model_s3_uri prefix. Never under
+# the prefix the endpoint's Model mounts: with S3Prefix, "SageMaker uses all objects that match the
+# specified key name prefix" (S3ModelDataSource,
+# https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_S3ModelDataSource.html), so every
+# instance would download the model twice, and be denied the archive once batch_transform is off.
 MODEL_ARCHIVE = "model.tar.gz"
+ARCHIVE_PREFIX_SUFFIX = "-batch-transform/"
+
+
+def archive_key(model_prefix: str) -> str:
+    """The Batch Transform archive of the model under `model_prefix` (ending in /): in the sibling
+    prefix `<prefix without its />-batch-transform/`, which the model prefix does not match."""
+    return f"{model_prefix.rstrip('/')}{ARCHIVE_PREFIX_SUFFIX}{MODEL_ARCHIVE}"
+
+
 TRANSFORM_MODEL_OUTPUT = "TransformModelName"  # the endpoint stack's output naming that Model (decide-batch)
 
 # InferenceAmiVersion values CloudFormation accepts (the AWS::SageMaker::EndpointConfig schema in
@@ -108,6 +121,9 @@ RESERVED_BUILD_ARGS = frozenset({"VARIANT", "CUDA_ARCHITECTURES"})
 # itself instead of CloudFormation's generic one.
 CUSTOM_RESOURCE_TIMEOUT_S = 3600
 PROVIDER_TOTAL_TIMEOUT_MINUTES = 55
+# The provider's polling Lambda (isComplete): the post-deploy check's and the bake load's calls through
+# sagemaker-runtime must end within it (stacks/handlers/runtime_client.py bounds each call).
+IS_COMPLETE_TIMEOUT_S = 300
 # The image build may take longer, so its result arrives as a signal on an
 # AWS::CloudFormation::WaitCondition, whose Timeout is at most 43200 s (12 h).
 WAIT_CONDITION_MAX_S = 43_200
@@ -430,6 +446,12 @@ class VariantConfig(_Strict):
 
     name: VariantName
     endpoint_name: str = Field(description="Stable endpoint name (configs get generated names).")
+    replace_endpoint: str | None = Field(
+        None,
+        description="Consent to rename the endpoint of a deployed stack, naming the endpoint the rename "
+        "DELETES. EndpointName is create-only: CloudFormation creates the endpoint under the new name, then "
+        "deletes this one and its log group. Without it the update guard refuses any rename.",
+    )
     instance_type: str = Field(description="SageMaker hosting instance type (first choice).")
     instance_pools: list[str] = Field(
         default_factory=list,
@@ -631,6 +653,13 @@ class VariantConfig(_Strict):
             raise ValueError("must be 1-63 letters, digits or hyphens, starting with a letter or digit")
         return value
 
+    @field_validator("replace_endpoint")
+    @classmethod
+    def _replace_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not ENDPOINT_NAME_RE.match(value):
+            raise ValueError("must name an endpoint: 1-63 letters, digits or hyphens")
+        return value
+
     @field_validator("instance_type")
     @classmethod
     def _instance_type(cls, value: str) -> str:
@@ -712,6 +741,11 @@ class VariantConfig(_Strict):
     @model_validator(mode="after")
     def _consistency(self) -> VariantConfig:
         problems = self._instance_problems()
+        if self.replace_endpoint is not None and self.replace_endpoint == self.endpoint_name:
+            problems.append(
+                "replace_endpoint: names the endpoint a rename deletes (the deployed one), so it cannot be "
+                f"endpoint_name ({self.endpoint_name}) itself"
+            )
         if self.inference_ami_version is not None:
             if not self.is_gpu:
                 problems.append("inference_ami_version: only applies to the gpu variant")
@@ -833,9 +867,18 @@ def data_capture_prefix(variant: VariantConfig) -> str:
     return f"data-capture/{variant.endpoint_name}/"
 
 
-def estimated_volume_need_gb(model: ModelArtifact) -> int:
-    """The model's size in GB, rounded up, twice (download + the mounted copy) plus 4 GB of room."""
-    return 2 * math.ceil(model.size_bytes / 1e9) + 4
+def mounted_model_bytes(model: ModelArtifact, *, batch_transform: bool) -> int:
+    """What an endpoint instance downloads: every object the staging build leaves under the prefix
+    the Model mounts (S3Prefix). The GGUF, and the Batch Transform archive only if it were staged under
+    that prefix (it is not: `archive_key`; gzip -1 keeps a GGUF's size)."""
+    archive_inside = batch_transform and archive_key(model.s3_prefix).startswith(model.s3_prefix)
+    return model.size_bytes * (2 if archive_inside else 1)
+
+
+def estimated_volume_need_gb(model: ModelArtifact, *, batch_transform: bool = False) -> int:
+    """What the instance downloads from the model prefix, in GB rounded up, twice (download + the
+    mounted copy) plus 4 GB of room."""
+    return 2 * math.ceil(mounted_model_bytes(model, batch_transform=batch_transform) / 1e9) + 4
 
 
 class AppConfig(_Strict):
@@ -859,14 +902,14 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _volume_holds_the_model(self) -> AppConfig:
-        need = estimated_volume_need_gb(self.model)
         problems = [
             f"{variant.name}.volume_size_gb: {variant.volume_size_gb} GB is too small for the pinned "
             f"{self.model.size_bytes / 1e9:.1f} GB model (needs about {need} GB)"
             for variant in (self.cpu, self.gpu)
             if variant.volume_size_gb is not None
             and variant.model_s3_uri is None
-            and variant.volume_size_gb < need
+            and variant.volume_size_gb
+            < (need := estimated_volume_need_gb(self.model, batch_transform=variant.batch_transform))
         ]
         if problems:
             raise ValueError("\n".join(problems))

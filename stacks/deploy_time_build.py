@@ -25,9 +25,9 @@ from constructs import Construct
 from stacks.common import identity
 from stacks.config import (
     CUSTOM_RESOURCE_TIMEOUT_S,
-    MODEL_ARCHIVE,
     ModelArtifact,
     VariantConfig,
+    archive_key,
     deployed_image_parameter,
     image_wait_minutes,
 )
@@ -172,12 +172,13 @@ class ModelStaging(Construct):
         model: ModelArtifact,
         archive: bool = False,
     ):
-        """`archive`: also write `<prefix>model.tar.gz` (the Batch Transform Model's ModelDataUrl)."""
+        """`archive`: also write the Batch Transform Model's ModelDataUrl, `model.tar.gz` beside the
+        model prefix (config.archive_key: never under the prefix the endpoint mounts)."""
         super().__init__(scope, construct_id)
         self.bucket_name = image_stack.artifacts_bucket_name
         self.prefix = model.s3_prefix
         self.file = model.file
-        extra = {"Archive": MODEL_ARCHIVE} if archive else {}
+        extra = {"ArchiveKey": archive_key(model.s3_prefix)} if archive else {}
         self.resource = provider_request(
             self,
             image_stack,
@@ -294,5 +295,7 @@ class UpdateGuard(Construct):
                 "Autoscaling": str(variant.autoscaling).lower(),
                 "InitialInstances": str(variant.initial_instance_count),
                 "PeakInstances": str(variant.blue_green_peak),
+                # Consent to delete this endpoint by a rename (update_guard.py); absent unless set.
+                **({"ReplaceEndpoint": variant.replace_endpoint} if variant.replace_endpoint else {}),
             },
         )

@@ -27,8 +27,8 @@ from constructs import Construct
 from stacks.common import identity, retention_days
 from stacks.config import (
     ENDPOINT_TAG,
-    MODEL_ARCHIVE,
     VariantConfig,
+    archive_key,
     data_capture_prefix,
     supports_volume_kms,
 )
@@ -44,11 +44,12 @@ class ModelLocation:
     bucket_name: str
     prefix: str
     file: str | None = None  # the one object under the prefix, when known (the pinned model)
-    archive_uri: str | None = None  # `<prefix>model.tar.gz`, for Batch Transform (batch_transform=true)
+    # The Batch Transform archive (batch_transform=true): beside the prefix, never under it (archive_key).
+    archive_uri: str | None = None
 
     @property
     def archive_key(self) -> str:
-        return f"{self.prefix}{MODEL_ARCHIVE}"
+        return archive_key(self.prefix)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class ExecutionRole(Construct):
         )
         # The pinned model is one known object; a prebuilt prefix may hold several files.
         readable = [f"{model.prefix}{model.file}" if model.file else f"{model.prefix}*"]
-        if model.archive_uri is not None and model.file:
+        if model.archive_uri is not None:  # beside the prefix: `<prefix>*` does not cover it
             readable.append(model.archive_key)  # the Batch Transform Model's ModelDataUrl
         self.role.add_to_policy(
             iam.PolicyStatement(

@@ -15,11 +15,11 @@ from stacks.async_inference import AsyncInference, async_environment
 from stacks.client_access import OpenAiPathPolicy, grant_batch_transform
 from stacks.config import (
     IMAGE_URI_RE,
-    MODEL_ARCHIVE,
     S3_PREFIX_RE,
     TRANSFORM_MODEL_OUTPUT,
     AppConfig,
     VariantConfig,
+    archive_key,
     container_environment,
     container_settings,
     cost_tags,
@@ -199,7 +199,9 @@ class EndpointStack(Stack):
                 s3_uri=variant.model_s3_uri,
                 bucket_name=match["bucket"],
                 prefix=match["prefix"],
-                archive_uri=f"{variant.model_s3_uri}{MODEL_ARCHIVE}" if variant.batch_transform else None,
+                archive_uri=f"s3://{match['bucket']}/{archive_key(match['prefix'])}"
+                if variant.batch_transform
+                else None,
             )
         staging = self.staging = ModelStaging(
             self, "ModelStaging", image_stack=image_stack, model=config.model, archive=variant.batch_transform

@@ -31,6 +31,7 @@ from stacks.common import retention_days
 from stacks.config import (
     BUILD_DEADLINE_GRACE_MINUTES,
     BUILD_START_RETRY_MINUTES,
+    IS_COMPLETE_TIMEOUT_S,
     PROVIDER_TOTAL_TIMEOUT_MINUTES,
     AppConfig,
     ModelArtifact,
@@ -340,11 +341,12 @@ class BuildProvider(Construct):
             "Deploy-time jobs: start or settle",
             environment=limits,
         )
-        # Long enough for the post-deploy check's two invocations (each up to 60 s, SageMaker's limit).
+        # The post-deploy check and the bake load start a sagemaker-runtime call only while this
+        # function's time left holds it (every attempt hanging) and what follows (handlers/runtime_client.py).
         is_complete = handler(
             "IsComplete",
             "codebuild_job.is_complete",
-            Duration.minutes(5),
+            Duration.seconds(IS_COMPLETE_TIMEOUT_S),
             "Deploy-time jobs: poll",
             environment=limits,
         )
@@ -627,8 +629,12 @@ def grant_source_read(project: codebuild.Project, source: s3_assets.Asset) -> No
 
 
 def grant_models_access(grantee: iam.IGrantable, artifacts: s3.IBucket, *, write: bool) -> None:
-    """Read (and optionally write) the staged models under models/ of the artifacts bucket."""
-    actions = ["s3:GetObject"] + (["s3:PutObject", "s3:AbortMultipartUpload"] if write else [])
+    """Read (and optionally write) the staged models under models/ of the artifacts bucket. Writing
+    includes deleting: the staging build removes a Batch Transform archive an earlier version put
+    under a model prefix the endpoint mounts (buildspec/model.yml)."""
+    actions = ["s3:GetObject"] + (
+        ["s3:PutObject", "s3:AbortMultipartUpload", "s3:DeleteObject"] if write else []
+    )
     grantee.grant_principal.add_to_principal_policy(
         iam.PolicyStatement(actions=actions, resources=[artifacts.arn_for_objects("models/*")])
     )

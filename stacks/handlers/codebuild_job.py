@@ -37,12 +37,21 @@ import boto3
 from botocore.exceptions import ClientError
 
 try:  # package import (tools, tests)
-    from . import bake_load, image_retention, post_deploy_check, sagemaker_json, update_guard, wait_signal
+    from . import (
+        bake_load,
+        image_retention,
+        post_deploy_check,
+        runtime_client,
+        sagemaker_json,
+        update_guard,
+        wait_signal,
+    )
     from .build_states import FAILED_STATES
 except ImportError:  # the Lambda asset's root
     import bake_load  # type: ignore[no-redef]
     import image_retention  # type: ignore[no-redef]
     import post_deploy_check  # type: ignore[no-redef]
+    import runtime_client  # type: ignore[no-redef]
     import sagemaker_json  # type: ignore[no-redef]
     import update_guard  # type: ignore[no-redef]
     import wait_signal  # type: ignore[no-redef]
@@ -71,10 +80,17 @@ class Clients:
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._clients:
-            # "sagemaker-json": SageMaker calls with bodies the runtime's botocore would refuse.
-            self._clients[name] = (
-                sagemaker_json.SageMakerJson() if name == "sagemaker-json" else boto3.client(name)
-            )
+            if name == "sagemaker-json":  # SageMaker calls with bodies the runtime's botocore would refuse
+                self._clients[name] = sagemaker_json.SageMakerJson()
+            elif name == "sagemaker-runtime":  # 70 s read timeout, bounded attempts (runtime_client.py)
+                self._clients[name] = runtime_client.runtime_client()
+            elif name == "sagemaker-runtime-load":  # the bake load's: one attempt per request
+                self._clients[name] = runtime_client.runtime_client(
+                    max_attempts=runtime_client.LOAD_MAX_ATTEMPTS,
+                    max_pool_connections=runtime_client.LOAD_MAX_CONNECTIONS,
+                )
+            else:
+                self._clients[name] = boto3.client(name)
         return self._clients[name]
 
 
@@ -110,11 +126,27 @@ def _model_uri(props: dict[str, Any]) -> str:
     return f"s3://{props['Bucket']}/{props['Prefix']}"
 
 
-def _model_outputs(props: dict[str, Any]) -> dict[str, str]:
-    """The staged model's prefix, and its model.tar.gz when the request asks for one (`Archive`)."""
-    outputs = {"ModelS3Uri": _model_uri(props)}
+# The archive an earlier version staged *inside* the model prefix (`Archive`, relative to it). The
+# endpoint's Model mounts every object under the prefix (S3ModelDataSource S3Prefix), so it is removed.
+LEGACY_ARCHIVE = "model.tar.gz"
+
+
+def _archive_key(props: dict[str, Any]) -> str | None:
+    """The Batch Transform archive's key, when the request asks for one: `ArchiveKey` (beside the model
+    prefix), or `Archive` (inside it: a request of an earlier version, e.g. during a rollback)."""
+    if props.get("ArchiveKey"):
+        return str(props["ArchiveKey"])
     if props.get("Archive"):
-        outputs["ModelArchiveUri"] = f"{_model_uri(props)}{props['Archive']}"
+        return f"{props['Prefix']}{props['Archive']}"
+    return None
+
+
+def _model_outputs(props: dict[str, Any]) -> dict[str, str]:
+    """The staged model's prefix, and its model.tar.gz when the request asks for one."""
+    outputs = {"ModelS3Uri": _model_uri(props)}
+    archive = _archive_key(props)
+    if archive:
+        outputs["ModelArchiveUri"] = f"s3://{props['Bucket']}/{archive}"
     return outputs
 
 
@@ -152,35 +184,61 @@ def existing_image_digest(ecr: Any, props: dict[str, Any]) -> str | None:
 
 def staged_model_present(s3: Any, props: dict[str, Any]) -> bool:
     """True when the GGUF is already in the bucket with the pinned sha256 and size (and, when the
-    request asks for it, the model.tar.gz made from it: its `sha256` metadata names the GGUF's)."""
-    if not _staged_object(s3, props, props["File"], check_size=True):
+    request asks for it, the model.tar.gz made from it: its `sha256` metadata names the GGUF's), and
+    the model prefix holds no archive an earlier version put there (the build removes it)."""
+    if not _staged_object(s3, props, f"{props['Prefix']}{props['File']}", check_size=True):
         return False
-    return not props.get("Archive") or _staged_object(s3, props, props["Archive"], check_size=False)
+    archive = _archive_key(props)
+    if archive and not _staged_object(s3, props, archive, check_size=False):
+        return False
+    if props.get("Archive"):  # an earlier version's request: its archive belongs in the prefix
+        return True
+    return not _object_exists(s3, props["Bucket"], f"{props['Prefix']}{LEGACY_ARCHIVE}")
 
 
-def _staged_object(s3: Any, props: dict[str, Any], name: str, *, check_size: bool) -> bool:
+def _object_exists(s3: Any, bucket: str, key: str) -> bool:
+    try:
+        _head(s3, bucket, key)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _head(s3: Any, bucket: str, key: str) -> dict[str, Any]:
+    """HeadObject; FileNotFoundError when the key is absent.
+
+    Without an unconditional s3:ListBucket, S3 answers HeadObject on a missing key with 403, not 404
+    (Amazon S3 API Reference, HeadObject). The role's ListBucket is limited to the models/ prefix, so
+    a 403 is settled with a prefix listing: not listed means absent; listed means a real denial.
+    """
+    try:
+        return dict(s3.head_object(Bucket=bucket, Key=key))
+    except ClientError as error:
+        code = error.response["Error"]["Code"]
+        if code in {"404", "NoSuchKey", "NotFound"}:
+            raise FileNotFoundError(key) from None
+        if code not in {"403", "AccessDenied", "Forbidden"}:
+            raise
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
+        if not any(item["Key"] == key for item in listed.get("Contents", [])):
+            raise FileNotFoundError(key) from None
+        raise BuildFailedError(
+            f"s3://{bucket}/{key} exists, but HeadObject on it is denied (403); the handler role needs "
+            "s3:GetObject on the models/ prefix"
+        ) from error
+
+
+def _staged_object(s3: Any, props: dict[str, Any], key: str, *, check_size: bool) -> bool:
     """One staged object: present with the pinned sha256 (and size).
 
     Without an unconditional s3:ListBucket, S3 answers HeadObject on a missing key with 403, not 404
     (Amazon S3 API Reference, HeadObject). The role's ListBucket is limited to the models/ prefix, so
     a 403 is settled with a prefix listing: not listed means absent; listed means a real denial.
     """
-    bucket, key = props["Bucket"], f"{props['Prefix']}{name}"
     try:
-        head = s3.head_object(Bucket=bucket, Key=key)
-    except ClientError as error:
-        code = error.response["Error"]["Code"]
-        if code in {"404", "NoSuchKey", "NotFound"}:
-            return False
-        if code not in {"403", "AccessDenied", "Forbidden"}:
-            raise
-        listed = s3.list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1)
-        if not any(item["Key"] == key for item in listed.get("Contents", [])):
-            return False
-        raise BuildFailedError(
-            f"s3://{bucket}/{key} exists, but HeadObject on it is denied (403); the handler role needs "
-            "s3:GetObject on the models/ prefix"
-        ) from error
+        head = _head(s3, props["Bucket"], key)
+    except FileNotFoundError:
+        return False
     if head.get("Metadata", {}).get("sha256") != props["Sha256"]:
         return False
     return not check_size or int(head["ContentLength"]) == int(props["SizeBytes"])
@@ -243,7 +301,9 @@ def build_request(props: dict[str, Any], request_id: str) -> dict[str, Any]:
             "MODEL_SHA256": props["Sha256"],
             "DEPLOY_REQUEST_ID": request_id,
         }
-        if props.get("Archive"):  # also write the Batch Transform archive (buildspec/model.yml)
+        if props.get("ArchiveKey"):  # also write the Batch Transform archive (buildspec/model.yml)
+            variables["MODEL_ARCHIVE_KEY"] = props["ArchiveKey"]
+        elif props.get("Archive"):  # an earlier version's request (its buildspec writes into the prefix)
             variables["MODEL_ARCHIVE"] = props["Archive"]
     else:
         raise ValueError(f"{props['Kind']!r} jobs have no build")
@@ -441,7 +501,8 @@ def check_build(
     if not staged_model_present(clients["s3"], props):
         raise BuildFailedError(
             f"CodeBuild build {build_id} succeeded but {_model_uri(props)}{props['File']} (or its "
-            f"{props.get('Archive') or 'archive'}) is missing or has another sha256. Logs: {logs}"
+            f"{_archive_key(props) or 'archive'}) is missing or has another sha256, or the prefix still "
+            f"holds a {LEGACY_ARCHIVE}. Logs: {logs}"
         )
     return {"IsComplete": True, "Data": _model_outputs(props)}
 
@@ -516,9 +577,11 @@ def on_event(
 
 
 def is_complete(
-    event: dict[str, Any], _context: Any = None, clients: Any = None, now: datetime | None = None
+    event: dict[str, Any], context: Any = None, clients: Any = None, now: datetime | None = None
 ) -> dict[str, Any]:
-    """Done when the job's result exists; raises (and so fails the resource) when it cannot."""
+    """Done when the job's result exists; raises (and so fails the resource) when it cannot. The
+    handlers that call sagemaker-runtime start a call only while this Lambda's time left (`context`)
+    holds it and what must follow it (parking): a Lambda timeout would fail the resource at once."""
     if event["RequestType"] == "Delete":
         return {"IsComplete": True}
     props = event["ResourceProperties"]
@@ -527,9 +590,9 @@ def is_complete(
     now = now or datetime.now(UTC)
     kind = props["Kind"]
     if kind == "PostDeployCheck":
-        return post_deploy_check.check(clients, props, data, now)
+        return post_deploy_check.check(clients, props, data, now, time_left=runtime_client.time_left(context))
     if kind == "BakeLoad":
-        return bake_load.check(clients, props, data, now)
+        return bake_load.check(clients, props, data, now, time_left=runtime_client.time_left(context))
     if kind in ("DeployedImage", "UpdateGuard"):
         return {"IsComplete": True, "Data": data}
     build_id = data.get("BuildId", "")

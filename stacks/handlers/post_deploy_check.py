@@ -16,7 +16,9 @@ config under a new name (`<endpoint>-parked-<hash>`, tagged for `promote prune`)
 onto it with an all-at-once blue/green update without alarms (the previous image: the safe state),
 waits for the rollback alarms to leave ALARM, and only then fails. CloudFormation's rollback then
 moves the endpoint from the parked copy back to the previous config, which it can. A first deploy
-(Create) has no previous config and needs no parking: its rollback deletes the endpoint.
+(Create) has no previous config and needs no parking: its rollback deletes the endpoint. Nor does a
+rename (`EndpointName` changed): the endpoint under the new name is new, the rollback deletes it, and
+the previous config belongs to the old endpoint, which the failed update never touched.
 
 During a rollback (the stack is in UPDATE_ROLLBACK_IN_PROGRESS, where CloudFormation sends this
 resource its old properties) nothing is checked: a failure there would leave the stack in
@@ -50,8 +52,9 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 try:  # package import (tools, tests)
-    from . import smoke
+    from . import runtime_client, smoke
 except ImportError:  # the Lambda asset's root
+    import runtime_client  # type: ignore[no-redef]
     import smoke  # type: ignore[no-redef]
 
 LOG = logging.getLogger(__name__)
@@ -77,6 +80,11 @@ DEFAULT_HEALTH_CHECK_S = 900
 # The endpoint-config name prefix a parked copy keeps of the endpoint's name (63 characters in all).
 PARKED_NAME_KEEP = 42
 WAITING_STATES = ("Updating", "SystemUpdating")
+# What a poll keeps, after its last sagemaker-runtime call, for parking: a few SageMaker control-plane
+# calls (DescribeEndpointConfig, CreateEndpointConfig, UpdateEndpoint, ListTags) that answer in seconds.
+PARKING_RESERVE_S = 30
+# A smoke call starts only while the Lambda's time left holds it (every attempt hanging) and parking.
+SMOKE_CALL_NEED_S = runtime_client.call_budget_s() + PARKING_RESERVE_S
 # The fields of a DescribeEndpointConfig answer that CreateEndpointConfig takes back.
 CONFIG_FIELDS = (
     "ProductionVariants",
@@ -110,7 +118,15 @@ def start(clients: Any, event: dict[str, Any], now: datetime | None = None) -> d
     data = {"StartedAt": (now or datetime.now(UTC)).isoformat()}
     old = event.get("OldResourceProperties") or {}
     previous = old.get("EndpointConfigName")
-    if event["RequestType"] == "Update" and previous:
+    renamed = old.get("EndpointName") not in (None, event["ResourceProperties"]["EndpointName"])
+    if renamed:  # a new endpoint (the old one is deleted after the update): no previous config to park on
+        LOG.info(
+            "%s replaces %s: a failure is not parked",
+            event["ResourceProperties"]["EndpointName"],
+            old["EndpointName"],
+        )
+        data["Renamed"] = f"{old['EndpointName']} -> {event['ResourceProperties']['EndpointName']}"
+    elif event["RequestType"] == "Update" and previous:
         data["PreviousConfig"] = previous
         if old.get("EndpointConfig"):  # the previous config as synthesized (parking copies it)
             data["PreviousConfigProperties"] = old["EndpointConfig"]
@@ -306,11 +322,35 @@ def _fail(
     )
 
 
+def smoke_gate(time_left: runtime_client.TimeLeft | None) -> Any:
+    """Before each smoke call: None when this Lambda's time left holds one more call (every attempt
+    hanging) plus parking, else why not."""
+    if time_left is None:
+        return None
+
+    def may_start() -> str | None:
+        left = time_left()
+        if left >= SMOKE_CALL_NEED_S:
+            return None
+        return (
+            f"{left:.0f} s left in this poll, a call may take {runtime_client.call_budget_s():.0f} s "
+            f"and parking {PARKING_RESERVE_S} s"
+        )
+
+    return may_start
+
+
 def check(
-    clients: Any, props: dict[str, Any], data: dict[str, Any], now: datetime | None = None
+    clients: Any,
+    props: dict[str, Any],
+    data: dict[str, Any],
+    now: datetime | None = None,
+    *,
+    time_left: runtime_client.TimeLeft | None = None,
 ) -> dict[str, Any]:
     """isComplete: a config mismatch or smoke calls failing past their retry window fail the deploy,
-    after parking the endpoint so that the stack's rollback can finish."""
+    after parking the endpoint so that the stack's rollback can finish. `time_left`: the seconds this
+    Lambda has left; a smoke call starts only while it holds that call and parking."""
     if data.get("Skipped"):
         return {"IsComplete": True, "Data": {"Result": f"skipped ({data['Skipped']})"}}
     now = now or datetime.now(UTC)
@@ -352,7 +392,7 @@ def check(
             "IsComplete": True,
             "Data": {"Result": f"{endpoint_name} runs {live} (async: no smoke calls)"},
         }
-    results = smoke.run_smoke(clients["sagemaker-runtime"], endpoint_name)
+    results = smoke.run_smoke(clients["sagemaker-runtime"], endpoint_name, smoke_gate(time_left))
     summary = "; ".join(f"{r.name}: {'ok' if r.ok else 'FAIL'} ({r.detail})" for r in results)
     if all(r.ok for r in results):
         LOG.info("post-deploy check passed: %s", summary)

@@ -75,13 +75,24 @@ def _one(name: str, call: Callable[[], Any], check: Callable[[Any], str]) -> Smo
     return SmokeResult(name, ok, time.monotonic() - started, detail)
 
 
-def run_smoke(runtime: Any, endpoint: str) -> list[SmokeResult]:
-    """Both calls, in order; never raises for a failing endpoint (the results say why)."""
-    return [
-        _one(
-            "decision " + DECISION_ROUTE,
-            lambda: _invoke(runtime, endpoint, DECISION_ROUTE, DECISION_REQUEST),
-            _check_decision,
-        ),
-        _one("chat " + CHAT_ROUTE, lambda: _invoke(runtime, endpoint, CHAT_ROUTE, CHAT_REQUEST), _check_chat),
-    ]
+def run_smoke(
+    runtime: Any, endpoint: str, may_start: Callable[[], str | None] | None = None
+) -> list[SmokeResult]:
+    """Both calls, in order; never raises for a failing endpoint (the results say why).
+
+    `may_start` (a Lambda's time check) is asked before each call: a reason means the call is not
+    started, and it counts as failed with that reason."""
+    calls = (
+        ("decision " + DECISION_ROUTE, DECISION_ROUTE, DECISION_REQUEST, _check_decision),
+        ("chat " + CHAT_ROUTE, CHAT_ROUTE, CHAT_REQUEST, _check_chat),
+    )
+    results = []
+    for name, route, payload, check in calls:
+        refusal = may_start() if may_start is not None else None
+        if refusal:
+            results.append(SmokeResult(name, False, 0.0, f"not started: {refusal}"))
+            continue
+        results.append(
+            _one(name, lambda route=route, payload=payload: _invoke(runtime, endpoint, route, payload), check)
+        )
+    return results

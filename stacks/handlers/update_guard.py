@@ -5,6 +5,9 @@ and its properties name the new config, so every endpoint update runs it. When i
 rolls the stack back before UpdateEndpoint was ever called: the Endpoint has nothing to undo, and no
 rollback meets an endpoint that is mid-update or that already runs the config it returns to.
 
+- A rename (`endpoint_name` changed on a deployed stack): EndpointName is create-only, so CloudFormation
+  creates the new endpoint and then deletes the live one and its log group. Refused unless the
+  variant's `replace_endpoint` names the endpoint that is deleted.
 - `invocation` flips under one endpoint name: "The AsyncInferenceConfig parameter cannot be removed
   from this endpoint" (UpdateEndpoint refuses a change between a real-time and an async config;
   https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_UpdateEndpoint.html).
@@ -43,10 +46,37 @@ def endpoint_quota_name(instance_type: str) -> str:
     return f"{instance_type} for endpoint usage"
 
 
+def rename_refusal(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """A rename of a deployed endpoint without consent naming it. EndpointName is create-only
+    ("Update requires: Replacement", AWS::SageMaker::Endpoint): CloudFormation creates the endpoint under
+    the new name first, and deletes the old one (UpdateReplacePolicy Delete, the default:
+    https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatereplacepolicy.html)
+    with its log group, once the update succeeded: the clients of the old name lose it."""
+    before, after = old.get("EndpointName"), new.get("EndpointName")
+    if not old or not before or before == after:
+        return None
+    if new.get("ReplaceEndpoint") == before:
+        LOG.warning(
+            "renaming %s -> %s: %s and its log group are deleted after the update", before, after, before
+        )
+        return None
+    variant = new.get("Variant", "<variant>")
+    return (
+        f"{before} -> {after}: EndpointName is create-only, so this deploy would CREATE {after} and then "
+        f"DELETE {before} (its instances, its traffic, and its log group /aws/sagemaker/Endpoints/{before}). "
+        f"To keep {before}, deploy with -c {variant}.endpoint_name={before}; to delete it, say so: "
+        f"-c {variant}.replace_endpoint={before}"
+    )
+
+
 def update_refusals(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What SageMaker documents it refuses in the change from `old` to `new` properties."""
+    """What SageMaker documents it refuses in the change from `old` to `new` properties, and a rename
+    that would delete the live endpoint without consent."""
+    renamed = rename_refusal(old, new)
+    if renamed:
+        return [renamed]
     if not old or old.get("EndpointName") != new.get("EndpointName"):
-        return []  # a new endpoint name: a new endpoint, nothing to update
+        return []  # a consented rename: a new endpoint, nothing to update
     name, variant = new["EndpointName"], new.get("Variant", "<variant>")
     problems = []
     before, after = old.get("Invocation", "realtime"), new.get("Invocation", "realtime")
@@ -54,8 +84,10 @@ def update_refusals(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         problems.append(
             f"{name}: invocation {before} -> {after} under the same endpoint name. UpdateEndpoint refuses "
             "to drop AsyncInferenceConfig ('The AsyncInferenceConfig parameter cannot be removed from this "
-            "endpoint'), and adding one to a real-time endpoint is documented nowhere. Deploy it under a "
-            f"new name: -c {variant}.invocation={after} -c {variant}.endpoint_name=<new name>"
+            "endpoint'), and adding one to a real-time endpoint is documented nowhere. A new name on this "
+            f"stack REPLACES {name}: CloudFormation deletes it and its log group once the new endpoint "
+            f"exists. Keep {name} as it is, or accept its deletion: -c {variant}.invocation={after} "
+            f"-c {variant}.endpoint_name=<new name> -c {variant}.replace_endpoint={name}"
         )
     old_types, new_types = list(old.get("InstanceTypes") or []), list(new.get("InstanceTypes") or [])
     if str(old.get("Autoscaling")).lower() == "true" and old_types != new_types:

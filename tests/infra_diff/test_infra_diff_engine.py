@@ -294,3 +294,63 @@ def test_a_changed_request_beside_the_same_wait_handle_and_a_changed_service_tok
     renamed["Resources"]["Handle2"] = renamed["Resources"].pop("Handle")
     renamed["Resources"]["Build"]["Properties"]["WaitHandle"] = {"Ref": "Handle2"}
     assert diff_templates({"S": with_build("LARGE", "t1")}, {"S": renamed}).warnings == []
+
+
+def _with_logs(template: dict, endpoint_name: str) -> dict:
+    template = copy.deepcopy(template)
+    template["Resources"]["Logs"] = {
+        "Type": "AWS::Logs::LogGroup",
+        "Properties": {"LogGroupName": f"/aws/sagemaker/Endpoints/{endpoint_name}"},
+        "DeletionPolicy": "Delete",
+        "UpdateReplacePolicy": "Delete",
+    }
+    for logical in ("Model", "Config"):
+        template["Resources"][logical] |= {"DeletionPolicy": "Retain", "UpdateReplacePolicy": "Retain"}
+    return template
+
+
+def test_a_rename_names_the_endpoint_it_deletes_and_the_fate_of_every_removed_resource():
+    """Issue 33 §3: EndpointName is create-only: CloudFormation creates the new endpoint and then deletes
+    the old one (UpdateReplacePolicy Delete, the default), with its log group. infra-diff names the
+    endpoint that disappears, and says of every removed or replaced resource whether it is kept."""
+    old = _with_logs(_stack(), "decider-cpu")
+    new = _with_logs(_stack(endpoint_name="decider-cpu-async", image=IMAGE_B), "decider-cpu-async")
+    new["Resources"]["Config2"] = new["Resources"].pop("Config")  # the config under a new logical id
+    new["Resources"]["Endpoint"]["Properties"]["EndpointConfigName"] = {
+        "Fn::GetAtt": ["Config2", "EndpointConfigName"]
+    }
+    report = diff_templates({"CpuStack": old}, {"CpuStack": new})
+    changes = _by_id(report)
+    endpoint = changes["Endpoint"]
+    assert endpoint.action == "replace" and endpoint.old_resource == "deleted"
+    assert "fails" not in endpoint.note.lower()  # a renamed endpoint is replaced, not refused
+    assert "CREATES decider-cpu-async" in endpoint.note and "DELETES decider-cpu " in endpoint.note
+    assert "replace_endpoint=decider-cpu" in endpoint.note
+    assert changes["Logs"].old_resource == "deleted" and "/aws/sagemaker/Endpoints/decider-cpu " in (
+        changes["Logs"].fate
+    )
+    assert changes["Config"].action == "remove" and changes["Config"].old_resource == "retained"
+    assert "DeletionPolicy: Retain" in changes["Config"].fate
+    assert changes["Model"].action == "replace" and changes["Model"].old_resource == "retained"
+    assert all(
+        c.old_resource in ("retained", "deleted")
+        for c in report.resources
+        if c.action in ("remove", "replace")
+    )
+    [warning] = [w for w in report.warnings if w.code == "endpoint_deleted"]
+    assert "DELETES the endpoint decider-cpu" in warning.message
+    assert "/aws/sagemaker/Endpoints/decider-cpu" in warning.message
+    console = Console(record=True, width=400)
+    show_report(console, report, title="t")
+    text = console.export_text()
+    assert "[endpoint_deleted]" in text and "is RETAINED (DeletionPolicy: Retain)" in text
+
+
+def test_a_replacement_under_the_same_endpoint_name_is_said_to_fail():
+    old, new = _stack(), _stack()
+    new["Resources"]["Endpoint"]["Properties"]["Tags"] = [{"Key": "k", "Value": "v"}]
+    note = diff_templates({"S": old}, {"S": new})  # no create-only change: no replacement
+    assert not note.replacements
+    from tools.infra_diff.diff import endpoint_replacement_note
+
+    assert "FAILS" in endpoint_replacement_note({"EndpointName": "e"}, {"EndpointName": "e"})

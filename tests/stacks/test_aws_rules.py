@@ -106,8 +106,13 @@ def test_an_invocation_flip_is_refused_before_the_endpoint_is_touched(synth: Syn
     problems = update_guard.update_refusals(old, new)
     assert len(problems) == 1 and "invocation realtime -> async" in problems[0]
     assert "-c cpu.endpoint_name=<new name>" in problems[0]
-    # Under a new name it is a new endpoint: nothing to refuse.
-    assert update_guard.update_refusals(old, {**new, "EndpointName": "decider-cpu-async"}) == []
+    assert "-c cpu.replace_endpoint=decider-cpu" in problems[0]  # a new name deletes decider-cpu
+    # Under a new name CloudFormation replaces the endpoint, deleting decider-cpu (issue 33 §3): refused
+    # unless the deploy names the endpoint it deletes.
+    renamed = {**new, "EndpointName": "decider-cpu-async"}
+    [rename] = update_guard.update_refusals(old, renamed)
+    assert "DELETE decider-cpu" in rename
+    assert update_guard.update_refusals(old, {**renamed, "ReplaceEndpoint": "decider-cpu"}) == []
 
 
 def test_an_instance_type_change_under_autoscaling_is_refused(synth: Synth) -> None:

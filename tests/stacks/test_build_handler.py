@@ -100,6 +100,16 @@ MODEL_PROPS = {
     "Buildspec": "version: 0.2\nphases: {}\n",
 }
 MODEL_KEY = MODEL_PROPS["Prefix"] + "model.gguf"
+LEGACY_ARCHIVE_KEY = MODEL_PROPS["Prefix"] + "model.tar.gz"  # where an earlier version put the archive
+
+
+def no_archive_in_the_prefix(aws: dict[str, Any]) -> None:
+    aws["s3"].add_client_error(
+        "head_object",
+        "404",
+        http_status_code=404,
+        expected_params={"Bucket": "artifacts", "Key": LEGACY_ARCHIVE_KEY},
+    )
 
 
 STACK_ID = "arn:aws:cloudformation:us-east-1:123456789012:stack/CpuStack/1a2b3c"
@@ -416,9 +426,42 @@ def test_model_already_staged_with_the_pinned_hash_is_not_downloaded(aws):
         {"ContentLength": 3013027808, "Metadata": {"sha256": MODEL_PROPS["Sha256"]}},
         expected_params={"Bucket": "artifacts", "Key": MODEL_KEY},
     )
+    no_archive_in_the_prefix(aws)
     result = job.on_event(event("Create", MODEL_PROPS), clients=aws["clients"])
     uri = "s3://artifacts/models/org/repo/rev/13c16f426047/"
     assert result == {"PhysicalResourceId": uri + "model.gguf", "Data": {"BuildId": "", "ModelS3Uri": uri}}
+
+
+ARCHIVE_KEY = "models/org/repo/rev/13c16f426047-batch-transform/model.tar.gz"
+
+
+def test_the_batch_transform_archive_is_checked_and_returned_beside_the_mounted_prefix(aws):
+    """Issue 33 §2: the archive is staged outside the prefix the endpoint's Model mounts (S3Prefix
+    takes every object under it), and the staging build is asked to write it there."""
+    props = {**MODEL_PROPS, "ArchiveKey": ARCHIVE_KEY}
+    staged = {"ContentLength": 3013027808, "Metadata": {"sha256": MODEL_PROPS["Sha256"]}}
+    aws["s3"].add_response("head_object", staged, {"Bucket": "artifacts", "Key": MODEL_KEY})
+    aws["s3"].add_response("head_object", staged, {"Bucket": "artifacts", "Key": ARCHIVE_KEY})
+    no_archive_in_the_prefix(aws)
+    result = job.on_event(event("Create", props), clients=aws["clients"])
+    assert result["Data"]["ModelArchiveUri"] == f"s3://artifacts/{ARCHIVE_KEY}"
+    assert not ARCHIVE_KEY.startswith(MODEL_PROPS["Prefix"])
+    assert env_of(job.build_request(props, REQUEST_ID))["MODEL_ARCHIVE_KEY"] == ARCHIVE_KEY
+
+
+def test_an_archive_left_in_the_mounted_prefix_starts_the_staging_build_that_removes_it(aws):
+    """An earlier version packed model.tar.gz into the model prefix: every instance downloads it, and
+    once batch_transform is off its grant is gone (AccessDenied at the next launch). Present or not
+    batch_transform, the model is not 'staged' until the build has removed it."""
+    staged = {"ContentLength": 3013027808, "Metadata": {"sha256": MODEL_PROPS["Sha256"]}}
+    aws["s3"].add_response("head_object", staged, {"Bucket": "artifacts", "Key": MODEL_KEY})
+    aws["s3"].add_response(
+        "head_object", {"ContentLength": 5}, {"Bucket": "artifacts", "Key": LEGACY_ARCHIVE_KEY}
+    )
+    aws["codebuild"].add_response("start_build", {"build": {"id": "ModelStaging:7"}})
+    assert job.on_event(event("Update", MODEL_PROPS), clients=aws["clients"])["Data"] == {
+        "BuildId": "ModelStaging:7"
+    }
 
 
 def test_model_with_another_hash_is_staged_again(aws):
@@ -488,6 +531,7 @@ def test_model_build_success_is_verified_against_the_bucket(aws):
     aws["s3"].add_response(
         "head_object", {"ContentLength": 3013027808, "Metadata": {"sha256": MODEL_PROPS["Sha256"]}}
     )
+    no_archive_in_the_prefix(aws)
     done = job.is_complete(
         event("Create", MODEL_PROPS, Data={"BuildId": "ModelStaging:1234"}), clients=aws["clients"]
     )

@@ -17,11 +17,25 @@ from stacks.paths import BUILDSPEC_DIR
 
 FAKE_AWS = r"""#!/usr/bin/env bash
 echo "aws $*" >> "$CALLS"
+# Objects put by `s3 cp` (or by a test) live in $STATE/objects/<key, / as %>, their sha256 metadata in
+# <that>.sha; `staged_sha` stands for a staged GGUF under any key that is not an archive.
+arg() {
+  local want="$1"; shift
+  while [[ $# -gt 1 ]]; do [[ "$1" == "$want" ]] && { echo "$2"; return; }; shift; done
+}
+obj() { mkdir -p "$STATE/objects"; echo "$STATE/objects/${1//\//%}"; }
 case "$1 $2" in
   "s3api head-object")
-    [[ -f "$STATE/staged_sha" ]] && cat "$STATE/staged_sha" && exit 0
+    key="$(arg --key "$@")"; o="$(obj "$key")"
+    [[ -f "$o" ]] && { cat "$o.sha" 2>/dev/null || echo None; exit 0; }
+    [[ "$key" != *.tar.gz && -f "$STATE/staged_sha" ]] && cat "$STATE/staged_sha" && exit 0
     echo "Not Found" >&2; exit 254 ;;
-  "s3 cp") cp "$3" "$STATE/uploaded"; exit 0 ;;
+  "s3 cp")
+    if [[ "$3" == s3://* ]]; then key="${3#s3://*/}"; cp "$(obj "$key")" "$4"; exit 0; fi
+    cp "$3" "$STATE/uploaded"; key="${4#s3://*/}"; cp "$3" "$(obj "$key")"
+    meta="$(arg --metadata "$@")"; sha="${meta#*sha256=}"; echo "${sha%%,*}" > "$(obj "$key").sha"
+    exit 0 ;;
+  "s3 rm") key="${3#s3://*/}"; rm -f "$(obj "$key")" "$(obj "$key").sha"; exit 0 ;;
   "ecr get-login-password") echo "password"; exit 0 ;;
   "ecr describe-images")
     [[ -f "$STATE/digest" ]] && cat "$STATE/digest" && exit 0
@@ -160,6 +174,50 @@ def test_model_already_staged_is_not_downloaded_again(sandbox):
     assert result.returncode == 0, result.stderr
     assert not any(c.startswith("curl") for c in calls)
     assert exported["MODEL_S3_URI"].startswith("s3://artifacts/")
+
+
+def staged_keys(sandbox: Path) -> dict[str, Path]:
+    objects = sandbox / "state" / "objects"
+    return {p.name.replace("%", "/"): p for p in objects.glob("*") if p.suffix != ".sha"}
+
+
+def test_the_batch_transform_archive_is_staged_beside_the_prefix_the_endpoint_mounts(sandbox):
+    """Issue 33 §2: S3Prefix mounts every object under the model prefix, so the archive goes to the
+    sibling `<prefix>-batch-transform/`, and one an earlier version left in the prefix is removed: the
+    prefix holds the GGUF alone, which is what the volume estimate counts."""
+    import tarfile
+
+    from stacks.config import load_config, mounted_model_bytes
+    from stacks.synth import cdk_json_context
+
+    env = model_env()
+    prefix = env["MODEL_PREFIX"]
+    archive = prefix.rstrip("/") + "-batch-transform/model.tar.gz"
+    (sandbox / "state" / "download").write_bytes(GGUF)
+    objects = sandbox / "state" / "objects"
+    objects.mkdir()
+    (objects / f"{prefix}model.tar.gz".replace("/", "%")).write_bytes(b"an earlier version's archive")
+    result, _, calls = run(sandbox, "model.yml", {**env, "MODEL_ARCHIVE_KEY": archive})
+    assert result.returncode == 0, result.stdout + result.stderr
+    keys = staged_keys(sandbox)
+    assert [k for k in keys if k.startswith(prefix)] == [prefix + "model.gguf"]
+    assert f"aws s3 rm s3://artifacts/{prefix}model.tar.gz --only-show-errors" in calls
+    with tarfile.open(keys[archive]) as tar:
+        assert tar.getnames() == ["model.gguf"] and tar.extractfile("model.gguf").read() == GGUF
+    assert (objects / (archive.replace("/", "%") + ".sha")).read_text().strip() == env["MODEL_SHA256"]
+    mounted = sum(path.stat().st_size for key, path in keys.items() if key.startswith(prefix))
+    assert mounted == len(GGUF)  # the estimate's premise: the mounted prefix holds the GGUF alone
+    model = load_config(cdk_json_context()).model
+    assert mounted_model_bytes(model, batch_transform=True) == model.size_bytes
+
+
+def test_an_archive_key_under_the_mounted_prefix_is_refused(sandbox):
+    env = model_env()
+    result, _, calls = run(
+        sandbox, "model.yml", {**env, "MODEL_ARCHIVE_KEY": env["MODEL_PREFIX"] + "x.tar.gz"}
+    )
+    assert result.returncode != 0 and "outside MODEL_PREFIX" in result.stdout
+    assert not any(c.startswith(("curl", "aws s3 cp")) for c in calls)
 
 
 def test_model_requires_a_full_sha256(sandbox):

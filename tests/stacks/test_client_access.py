@@ -99,7 +99,11 @@ def test_batch_transform_gets_a_model_on_a_tar_gz(synth_access: Synth) -> None:
     assert "ModelDataSource" not in container
     staging_id = only_id(template, "Custom::ModelStaging")
     assert container["ModelDataUrl"] == {"Fn::GetAtt": [staging_id, "ModelArchiveUri"]}
-    assert template["Resources"][staging_id]["Properties"]["Archive"] == "model.tar.gz"
+    staging = template["Resources"][staging_id]["Properties"]
+    # Beside the prefix the endpoint's Model mounts (S3Prefix takes every object under it; issue 33 §2).
+    assert "Archive" not in staging
+    assert staging["ArchiveKey"] == staging["Prefix"].rstrip("/") + "-batch-transform/model.tar.gz"
+    assert not staging["ArchiveKey"].startswith(staging["Prefix"])
     assert template["Outputs"]["TransformModelName"]["Value"] == {"Fn::GetAtt": [logical, "ModelName"]}
     [endpoint_model] = [m for k, m in models.items() if k != logical]
     assert container["Image"] == endpoint_model["Properties"]["PrimaryContainer"]["Image"]

@@ -185,6 +185,8 @@ def test_unrelated_context_keys_are_ignored():
         ({"cpu.log_retention_days": "31"}, "retention periods"),
         ({"model.sha256": "13c16f42a983"}, "model.sha256"),
         ({"cpu.endpoint_name": "decider_cpu"}, "cpu.endpoint_name"),
+        ({"cpu.replace_endpoint": "decider-cpu"}, "cannot be endpoint_name (decider-cpu) itself"),
+        ({"cpu.replace_endpoint": "decider_cpu"}, "cpu.replace_endpoint"),
         ({"gpu.image_build.build_args.VARIANT": "cpu"}, "VARIANT is set per variant"),
         ({"gpu.image_build.compute_type": "BUILD_GENERAL1_SMALL"}, "gpu.image_build.compute_type"),
     ],

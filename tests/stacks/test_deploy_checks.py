@@ -350,8 +350,27 @@ class FakeTime:
         self.now += max(0.0, seconds)
 
 
+class InlineExecutor:
+    """Stands in for bake_load's thread pool: runs each request at once, so that the fake clock says
+    when it was sent (the dispatcher paces them 2 s apart: bake_load.PACE_S)."""
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        future: Future[None] = Future()
+        fn(*args)
+        future.set_result(None)
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 class SlowRuntime:
-    """sagemaker-runtime answering each InvokeEndpoint after 2 s of fake time (a CPU endpoint's pace)."""
+    """sagemaker-runtime answering each InvokeEndpoint (2 s apart: the dispatcher's pace)."""
 
     def __init__(self, clock: FakeTime, *, fail: bool = False) -> None:
         self.clock, self.fail = clock, fail
@@ -359,7 +378,6 @@ class SlowRuntime:
 
     def invoke_endpoint(self, **kwargs: Any) -> dict[str, Any]:
         self.calls.append((self.clock.now, kwargs))
-        self.clock.now += 2.0
         if self.fail:
             raise ClientError({"Error": {"Code": "ModelError", "Message": "500"}}, "InvokeEndpoint")
         return {"Body": body(DECISION_OK), "ContentType": "application/json"}
@@ -387,15 +405,16 @@ def poll_bake(clients: dict[str, Any], clock: FakeTime, data: dict[str, Any]) ->
 
 
 def test_every_minute_of_the_bake_gets_the_alarms_floor_of_synthetic_requests(monkeypatch):
-    """With 2 s answers and the provider's 30 s between polls, every calendar minute (CloudWatch's
+    """With requests 2 s apart and the provider's 30 s between polls, every calendar minute (CloudWatch's
     period) of the bake gets LoadPerMinute (12) requests, at least error_rate_min_invocations (10)."""
     from stacks.config import load_config
     from stacks.synth import cdk_json_context
 
     clock = FakeTime(1_767_268_817.0)  # not on a minute boundary
     monkeypatch.setattr(bake_load, "time", clock)
+    monkeypatch.setattr(bake_load, "ThreadPoolExecutor", InlineExecutor)
     runtime = SlowRuntime(clock)
-    clients = {"sagemaker": EndpointStatus("Updating"), "sagemaker-runtime": runtime}
+    clients = {"sagemaker": EndpointStatus("Updating"), "sagemaker-runtime-load": runtime}
     data = {"StartedAt": datetime.fromtimestamp(clock.now, UTC).isoformat()}
     end = clock.now + 15 * 60
     while clock.now < end:
@@ -415,13 +434,14 @@ def test_every_minute_of_the_bake_gets_the_alarms_floor_of_synthetic_requests(mo
 def test_a_broken_canary_keeps_getting_load_and_the_load_ends_with_the_update(aws, monkeypatch):
     clock = FakeTime(1_767_268_800.0)
     monkeypatch.setattr(bake_load, "time", clock)
+    monkeypatch.setattr(bake_load, "ThreadPoolExecutor", InlineExecutor)
     stack_status(aws, "UPDATE_IN_PROGRESS")
     started = codebuild_job.on_event(event("Update", LOAD_PROPS), clients=aws["clients"], now=NOW)
     assert started["PhysicalResourceId"] == "bake-load:decider-cpu"
     data = started["Data"]
     status = EndpointStatus("InService")
     runtime = SlowRuntime(clock, fail=True)
-    clients = {"sagemaker": status, "sagemaker-runtime": runtime}
+    clients = {"sagemaker": status, "sagemaker-runtime-load": runtime}
     assert poll_bake(clients, clock, {"StartedAt": clock_iso(clock)}) == {"IsComplete": False}  # not begun
     assert runtime.calls == []
     status.status = "Updating"
@@ -684,6 +704,63 @@ def test_the_guard_refuses_a_blue_green_peak_above_the_quota(aws):
     assert result["PhysicalResourceId"] == "update-guard:decider-cpu"
     done = codebuild_job.is_complete({**update, **result}, clients=aws["clients"])
     assert done["IsComplete"] is True
+
+
+def test_the_guard_refuses_a_rename_unless_replace_endpoint_names_the_endpoint_it_deletes(aws):
+    """Issue 33 §3: EndpointName is create-only: a rename creates the new endpoint and deletes the old one
+    and its log group. Refused before the Endpoint is touched, unless consented by name."""
+    renamed = {**GUARD_PROPS, "EndpointName": "decider-cpu-async", "Invocation": "async"}
+    old = {**GUARD_PROPS, "EndpointConfigName": "OLD"}
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    quotas(aws, 20)
+    with pytest.raises(update_guard.UpdateRefusedError) as refused:
+        codebuild_job.on_event(event("Update", renamed, OldResourceProperties=old), clients=aws["clients"])
+    message = str(refused.value)
+    assert "DELETE decider-cpu" in message and "/aws/sagemaker/Endpoints/decider-cpu" in message
+    assert "-c cpu.replace_endpoint=decider-cpu" in message and "-c cpu.endpoint_name=decider-cpu" in message
+    for consent in ("decider-gpu", "decider-cpu-async"):  # consent must name the endpoint deleted
+        stack_status(aws, "UPDATE_IN_PROGRESS")
+        quotas(aws, 20)
+        with pytest.raises(update_guard.UpdateRefusedError):
+            codebuild_job.on_event(
+                event("Update", {**renamed, "ReplaceEndpoint": consent}, OldResourceProperties=old),
+                clients=aws["clients"],
+            )
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    quotas(aws, 20)
+    accepted = codebuild_job.on_event(
+        event("Update", {**renamed, "ReplaceEndpoint": "decider-cpu"}, OldResourceProperties=old),
+        clients=aws["clients"],
+    )
+    assert "accepted" in accepted["Data"]["Result"]
+
+
+def test_a_renamed_endpoint_is_not_parked_when_its_check_fails(aws):
+    """Issue 33 §3: after a rename the endpoint is new (its rollback deletes it) and the previous config
+    is the old endpoint's: the check fails without parking anything (the Stubber refuses any
+    DescribeEndpointConfig, CreateEndpointConfig or UpdateEndpoint), and the bake load sends nothing."""
+    old = {
+        **CHECK_PROPS,
+        "EndpointName": "decider-cpu-old",
+        "EndpointConfigName": PREVIOUS_CONFIG,
+        "EndpointConfig": json.dumps({"ProductionVariants": [{"VariantName": "AllTraffic"}]}),
+    }
+    started = check_update(aws, old, NOW)
+    assert "PreviousConfig" not in started["Data"] and "Renamed" in started["Data"]
+    aws["clients"]["sagemaker-json"] = recorder = RecordingJson()
+    endpoint(aws, "DeciderConfig-NEW")
+    invocations(aws, {"error": {"code": "model_not_ready"}}, CHAT_OK)
+    late = NOW + post_deploy_check.SMOKE_RETRY_WINDOW + timedelta(seconds=1)
+    with pytest.raises(post_deploy_check.PostDeployCheckError, match="smoke calls on decider-cpu failed"):
+        codebuild_job.is_complete(started, clients=aws["clients"], now=late)
+    assert recorder.calls == []
+    load = event(
+        "Update", LOAD_PROPS, OldResourceProperties={**LOAD_PROPS, "EndpointName": "decider-cpu-old"}
+    )
+    assert (
+        "renamed from decider-cpu-old"
+        in codebuild_job.on_event(load, clients=aws["clients"])["Data"]["Skipped"]
+    )
 
 
 def test_the_guard_checks_the_first_fleet_on_create_and_nothing_while_rolling_back(aws):

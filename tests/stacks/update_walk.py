@@ -25,6 +25,7 @@ ECR_IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "b"
 # Values for keys whose type alone does not suggest a valid other value (variant-specific where needed).
 EXAMPLES: dict[str, list[Any]] = {
     "endpoint_name": ["{name}-b"],
+    "replace_endpoint": ["decider-old"],
     "instance_type": ["ml.c7i.12xlarge", "ml.g6.2xlarge"],
     "instance_pools": [["ml.c7i.12xlarge"], ["ml.g6e.xlarge"]],
     "inference_ami_version": ["al2-ami-sagemaker-inference-gpu-3-1"],

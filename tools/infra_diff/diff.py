@@ -68,7 +68,7 @@ SAGEMAKER_NOTES = {
     (
         "AWS::SageMaker::Endpoint",
         "replace",
-    ): "ENDPOINT REPLACED: deleted and re-created (downtime; fails outright when EndpointName is fixed)",
+    ): "ENDPOINT REPLACED: a new endpoint is created, then the old one deleted (see below)",
     (
         "AWS::SageMaker::Endpoint",
         "modify",
@@ -98,6 +98,10 @@ class ResourceChange:
     iam: bool = False
     policy_statements: list[str] = field(default_factory=list)  # "+ Allow …" / "- Allow …"
     note: str | None = None
+    # What becomes of the old physical resource when it is removed or replaced: "retained" or "deleted"
+    # (DeletionPolicy on removal, UpdateReplacePolicy on replacement), with the words for it in `fate`.
+    old_resource: str | None = None
+    fate: str | None = None
 
 
 @dataclass
@@ -400,6 +404,16 @@ def diff_stack(
     _propagate(stack, new, by_id)
     for change in by_id.values():
         change.note = SAGEMAKER_NOTES.get((change.type, change.action))
+        if change.logical_id in old_resources and (
+            change.action in ("remove", "replace") or change.may_replace
+        ):
+            before = old_resources[change.logical_id]
+            change.old_resource, change.fate = old_resource_fate(before, change.action, change.may_replace)
+        if change.type == "AWS::SageMaker::Endpoint" and change.action == "replace":
+            change.note = endpoint_replacement_note(
+                old_resources[change.logical_id].get("Properties", {}),
+                new_resources[change.logical_id].get("Properties", {}),
+            )
     sections = []
     for section in TEMPLATE_SECTIONS:
         before, after = old.get(section) or {}, new.get(section) or {}
@@ -413,6 +427,67 @@ def diff_stack(
                 sections.append(SectionChange(stack, section, key, action, before.get(key), after.get(key)))
     order = {"replace": 0, "remove": 1, "add": 2, "modify": 3}
     return sorted(by_id.values(), key=lambda c: (order[c.action], c.logical_id)), sections
+
+
+# Properties that carry a resource's physical name, for saying which one a removal deletes.
+NAME_PROPERTIES = (
+    "EndpointName",
+    "LogGroupName",
+    "Name",
+    "ModelName",
+    "EndpointConfigName",
+    "AlarmName",
+    "TopicName",
+    "FunctionName",
+    "BucketName",
+    "RoleName",
+    "PolicyName",
+    "ResourceId",
+)
+RETAINING = ("Retain", "RetainExceptOnCreate")
+
+
+def physical_name(resource: dict[str, Any]) -> str | None:
+    """The resource's fixed name, when the template spells it as a literal."""
+    properties = resource.get("Properties") or {}
+    return next((properties[k] for k in NAME_PROPERTIES if isinstance(properties.get(k), str)), None)
+
+
+def old_resource_fate(resource: dict[str, Any], action: str, may_replace: bool = False) -> tuple[str, str]:
+    """Whether CloudFormation keeps or deletes the old physical resource: on removal its DeletionPolicy
+    decides, on replacement its UpdateReplacePolicy ("CloudFormation creates the replacement resource
+    first [...] By default, CloudFormation then deletes the old resource", UpdateReplacePolicy attribute,
+    https://docs.aws.amazon.com/AWSCloudFormation/latest/UserGuide/aws-attribute-updatereplacepolicy.html).
+    Delete is the default of both."""
+    attribute = "DeletionPolicy" if action == "remove" else "UpdateReplacePolicy"
+    policy = resource.get(attribute)
+    name = physical_name(resource)
+    what = f"the old {resource.get('Type', 'resource')}" + (f" {name}" if name else "")
+    when = "if it is replaced, " if action != "remove" and may_replace else ""
+    if policy in RETAINING:
+        return "retained", f"{when}{what} is RETAINED ({attribute}: {policy}): kept outside the stack"
+    if policy == "Snapshot":
+        return "deleted", f"{when}{what} is DELETED after a snapshot ({attribute}: Snapshot)"
+    default = "" if policy else ", the default"
+    after = " once its replacement exists" if action != "remove" else ""
+    return "deleted", f"{when}{what} is DELETED{after} ({attribute}: {policy or 'Delete'}{default})"
+
+
+def endpoint_replacement_note(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What replacing an AWS::SageMaker::Endpoint does: EndpointName is create-only."""
+    before, after = old.get("EndpointName"), new.get("EndpointName")
+    if isinstance(before, str) and before == after:
+        return (
+            f"ENDPOINT REPLACED under the same name {before}: CloudFormation refuses to replace a "
+            "custom-named resource, so the update FAILS (AWS CloudFormation, custom naming: 'You can't "
+            "perform an update that causes a custom-named resource to be replaced')"
+        )
+    return (
+        f"ENDPOINT REPLACED: EndpointName is create-only, so CloudFormation CREATES {after} and, once the "
+        f"stack update succeeds, DELETES {before} with its live traffic (clients calling {before} get "
+        "errors from then on); its log group goes with it. The update guard refuses this unless "
+        f"-c {_variant_key(str(before))}.replace_endpoint={before}"
+    )
 
 
 SCALING_UPDATE_STEPS = (
@@ -598,4 +673,42 @@ def diff_templates(old: Templates, new: Templates, stacks: list[str] | None = No
         report.warnings.extend(refusals(stack, old.get(stack, {}), new.get(stack, {})))
         replaced = {r.logical_id for r in resources if r.action == "replace"}
         report.warnings.extend(update_refusals(stack, old.get(stack, {}), new.get(stack, {}), replaced))
+        report.warnings.extend(endpoint_deletions(stack, resources, old.get(stack, {})))
     return report
+
+
+def endpoint_deletions(stack: str, resources: list[ResourceChange], old: dict[str, Any]) -> list[Refusal]:
+    """A live endpoint this deploy deletes (renamed, replaced or removed): named, with what goes with it."""
+    found = []
+    old_resources = old.get("Resources", {})
+    for change in resources:
+        if (
+            change.type != "AWS::SageMaker::Endpoint"
+            or change.fate is None
+            or change.old_resource != "deleted"
+        ):
+            continue
+        if change.action not in ("remove", "replace"):
+            continue
+        name = physical_name(old_resources[change.logical_id]) or change.logical_id
+        gone = [  # what is named after the endpoint and deleted with it (its log group, its SSM record …)
+            c.fate
+            for c in resources
+            if c.logical_id != change.logical_id
+            and c.fate
+            and c.old_resource == "deleted"
+            and c.action in ("remove", "replace")
+            and not c.type.startswith("Custom::")
+            and name in (physical_name(old_resources[c.logical_id]) or "")
+        ]
+        found.append(
+            Refusal(
+                stack,
+                change.logical_id,
+                "endpoint_deleted",
+                f"this deploy DELETES the endpoint {name}"
+                + (f" ({change.note})" if change.action == "replace" and change.note else "")
+                + (f". Deleted with it: {'; '.join(gone)}" if gone else ""),
+            )
+        )
+    return found

@@ -44,6 +44,9 @@ def show_resource(console: Console, change: ResourceChange) -> None:
     )
     if change.note:
         console.print(f"      [cyan]→ {escape(change.note)}[/]", soft_wrap=True)
+    if change.fate:
+        colour = "bold red" if change.old_resource == "deleted" else "yellow"
+        console.print(f"      [{colour}]⇒ {escape(change.fate)}[/]", soft_wrap=True)
     for reason in change.reasons:
         console.print(f"      because {escape(reason)}", soft_wrap=True)
     for prop in change.changes:

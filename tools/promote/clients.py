@@ -16,6 +16,7 @@ import botocore.session
 from botocore.config import Config
 from botocore.exceptions import NoRegionError, ProfileNotFound
 
+from stacks.handlers.runtime_client import runtime_client
 from tools.promote.errors import PromoteError
 
 # Adaptive mode adds client-side rate limiting on top of standard retries (throttling, 5xx, timeouts).
@@ -25,13 +26,10 @@ CONTROL_PLANE_CONFIG = Config(
     read_timeout=60,
     user_agent_extra="promote/0.1",
 )
-# InvokeEndpoint must answer within 60 s (SageMaker limit); keep the socket open a bit longer.
-RUNTIME_CONFIG = Config(
-    retries={"mode": "standard", "max_attempts": 3},
-    connect_timeout=10,
-    read_timeout=70,
-    user_agent_extra="promote/0.1",
-)
+# sagemaker-runtime: the deploy-time handlers' client (70 s read timeout, standard retries;
+# stacks/handlers/runtime_client.py), with more attempts: no Lambda times `promote` out. 4 in all, as
+# before (botocore's `max_attempts: 3` counts retries only).
+RUNTIME_MAX_ATTEMPTS = 4
 
 
 @cache
@@ -63,7 +61,9 @@ def make_clients(region: str | None, profile: str | None) -> AwsClients:
             )
         return AwsClients(
             sagemaker=session.client("sagemaker", config=CONTROL_PLANE_CONFIG),
-            runtime=session.client("sagemaker-runtime", config=RUNTIME_CONFIG),
+            runtime=runtime_client(
+                session, max_attempts=RUNTIME_MAX_ATTEMPTS, user_agent_extra="promote/0.1"
+            ),
             cloudwatch=session.client("cloudwatch", config=CONTROL_PLANE_CONFIG),
             ecr=session.client("ecr", config=CONTROL_PLANE_CONFIG),
             region=session.region_name,
