@@ -7,6 +7,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import httpx2
 import openai
 import pytest
 import typesafe_sdk
@@ -125,6 +126,77 @@ def test_typesafe_sdk_noul_choice_score(live_server: LocalServer) -> None:
     assert result.usage.output_tokens == 0
     assert result.request_id
     assert [m.name for m in listed.models] == [served]
+
+
+@pytest.mark.parametrize("compression", [None, False])
+def test_typesafe_sdk_zstd_bodies_answer_as_plain_ones(
+    live_server: LocalServer, compression: bool | None
+) -> None:
+    # typesafe-sdk 0.7.5 compresses bodies of 1 KiB or more with zstd whenever a zstd module is
+    # importable (its default, None); the image ships one (backports-zstd), so neither mode gets a 415.
+    sent: list[str | None] = []
+
+    def record(request: httpx2.Request) -> None:
+        sent.append(request.headers.get("content-encoding"))
+
+    state = DECISION["state"] + " The order number is 4411." * 60  # well over the SDK's 1 KiB floor
+    questions = {"refund": Noul(instructions="Does the customer ask for a refund?")}
+    with (
+        httpx2.Client(timeout=60, event_hooks={"request": [record]}) as http,
+        TypeSafeClient(
+            api_key="t", base_url=live_server.base_url, http_client=http, compression=compression
+        ) as c,
+    ):
+        result = c.system_one(state=state, questions=questions)
+    assert sent == (["zstd"] if compression is None else [None])
+    with TypeSafeClient(api_key="t", base_url=live_server.base_url, timeout=60, compression=False) as plain:
+        reference = plain.system_one(state=state, questions=questions)
+    assert result.nouls["refund"].noul == pytest.approx(reference.nouls["refund"].noul, abs=0.05)
+
+
+def test_zstd_bodies_are_bounded_and_checked(live_server: LocalServer) -> None:
+    from backports import zstd
+
+    url = f"{live_server.base_url}/invocations"
+    headers = {"Content-Type": "application/json", "Content-Encoding": "zstd"}
+    bomb = zstd.compress(b'{"state": "' + b"a" * (7 * 2**20) + b'"}')  # 7 MiB inflated, ~1 KiB sent
+    too_large = httpx.post(url, content=bomb, headers=headers, timeout=60)
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "body_too_large"
+    garbage = httpx.post(url, content=b"not zstd at all", headers=headers, timeout=60)
+    assert garbage.status_code == 422 and garbage.json()["error"]["code"] == "invalid_encoding"  # as gzip's
+
+
+@pytest.mark.parametrize(
+    ("what", "body", "status", "code"),
+    [
+        (
+            "image assets (images in states and criteria)",
+            {**DECISION, "assets": {"img1": {"type": "image", "url": "data:image/png;base64,iVBORw0KGgo="}}},
+            422,
+            "unsupported_field",
+        ),
+        (
+            "a box question",
+            {**DECISION, "questions": {"q": {"type": "box", "instructions": "Where?"}}},
+            422,
+            "invalid_question_type",
+        ),
+    ],
+)
+def test_jev_1_14_parts_this_text_model_cannot_answer_get_a_typed_4xx(
+    live_server: LocalServer, what: str, body: dict, status: int, code: str
+) -> None:
+    response = httpx.post(f"{live_server.base_url}/v1/systemone", json=body, timeout=60)
+    assert response.status_code == status and response.json()["error"]["code"] == code, what
+
+
+def test_a_multipart_body_gets_415(live_server: LocalServer) -> None:
+    parts = {
+        "state": (None, "hi"),
+        "questions": (None, json.dumps({"q": {"type": "noul", "instructions": "?"}})),
+    }
+    response = httpx.post(f"{live_server.base_url}/v1/systemone", files=parts, timeout=60)
+    assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type"
 
 
 def test_typesafe_sdk_sees_typed_errors(live_server: LocalServer) -> None:

@@ -133,6 +133,20 @@ def test_typesafe_sdk_through_the_proxy_equals_direct(live_server: LocalServer, 
         client.system_one(state="s", questions={"q": Choice(instructions="?", criteria=too_many)})
 
 
+def test_typesafe_sdk_zstd_bodies_through_the_proxy(live_server: LocalServer, proxy: RunningProxy) -> None:
+    # the SDK's default: zstd for bodies of 1 KiB or more (InvokeEndpoint carries no Content-Encoding,
+    # so the proxy undoes it); the same answer as an uncompressed body sent direct
+    state = DECISION["state"] + " The order number is 4411." * 60
+    questions = {"refund": Noul(instructions="Does the customer ask for a refund?")}
+    answers = []
+    for base_url, compression in ((proxy.base_url, None), (live_server.base_url, False)):
+        with TypeSafeClient(
+            api_key="unused", base_url=base_url, timeout=60, compression=compression
+        ) as client:
+            answers.append(client.system_one(state=state, questions=questions).nouls["refund"].noul)
+    assert answers[0] == pytest.approx(answers[1], abs=0.05)
+
+
 def test_jev_lite_through_the_proxy_equals_direct(live_server: LocalServer, proxy: RunningProxy) -> None:
     answers = []
     for base_url in (live_server.base_url, proxy.base_url):

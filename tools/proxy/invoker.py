@@ -115,10 +115,13 @@ def _decode_body(body: bytes, encoding: str | None) -> bytes:
         except zlib.error as exc:
             raise request_error(f"the body is not valid {name} data: {exc}", "invalid_encoding") from None
     elif name == "zstd":
-        try:
-            from backports import zstd  # type: ignore[import-not-found]
+        try:  # Python 3.14+, else the backport pinned in requirements (typesafe-sdk sends zstd when it can)
+            from compression import zstd  # type: ignore[import-not-found]
         except ImportError:
-            raise _unsupported_encoding(name) from None
+            try:
+                from backports import zstd  # type: ignore[import-not-found,no-redef]
+            except ImportError:
+                raise _unsupported_encoding(name) from None
         try:
             out = zstd.ZstdDecompressor().decompress(body, max_length=MAX_BODY_BYTES + 1)
         except Exception as exc:
