@@ -551,3 +551,39 @@ def test_the_key_is_never_logged_or_put_into_a_sagemaker_environment(
     with pytest.raises(ValidationError) as bad:
         Settings(model_path="/x", api_key="short-secret")
     assert "short-secret" not in describe_settings_error(bad.value)
+
+
+# --- admission's cache peek ----------------------------------------------------------------------
+
+
+def test_the_cache_peek_runs_on_an_intake_thread_and_ping_answers_meanwhile() -> None:
+    # Pricing a work scans every kept key (the host tier's too: ~0.1 s per state with 300 kept);
+    # on the event loop, a 64-state batch held /ping for seconds. Here one price takes 1 s.
+    priced_on: list[str] = []
+
+    class SlowPeekEngine(FakeEngine):
+        def decision_work(self, plan: Any) -> Any:
+            work = super().decision_work(plan)
+            costs_given = work.costs_given
+
+            def slow_costs_given(caches: Any) -> Any:
+                priced_on.append(threading.current_thread().name)
+                time.sleep(1.0)
+                return costs_given(caches)
+
+            work.costs_given = slow_costs_given
+            return work
+
+    engine = SlowPeekEngine()
+    with TestClient(create_app(_settings(), loader=lambda _: engine)) as client:
+        _wait_ready(client)
+        body = {"state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            decision = pool.submit(client.post, "/v1/systemone", json=body)
+            time.sleep(0.3)  # the decision is being priced now
+            started = time.monotonic()
+            assert client.get("/ping").status_code == 200
+            ping_seconds = time.monotonic() - started
+            assert decision.result().status_code == 200
+    assert priced_on and all(name.startswith("intake") for name in priced_on), priced_on
+    assert ping_seconds < 0.3, ping_seconds

@@ -24,6 +24,7 @@ from decider.errors import DeciderError, OverloadedError, RequestExceedsDeadline
 from decider.schemas.decision import parse_decision_request
 from decider.server.answers import decision_response
 from decider.server.handlers import _JobStream, run_until_disconnect
+from decider.server.intake import Intake
 from decider.server.metrics import ServerMetrics
 from decider.settings import CacheBudget
 from server_fakes import FakeEngine
@@ -418,7 +419,7 @@ class _Request:
 def test_a_handler_cancelled_at_once_leaves_nothing_admitted() -> None:
     engine = FakeEngine(decode_seconds=0.05)
     scheduler = _scheduler(engine)
-    runtime = type("Runtime", (), {"scheduler": scheduler})()
+    runtime = type("Runtime", (), {"scheduler": scheduler, "intake": Intake(2, 16)})()
 
     async def cancel_at_once() -> None:
         task = asyncio.ensure_future(run_until_disconnect(runtime, _Request(), "decision", _work(engine)))  # type: ignore[arg-type]

@@ -154,11 +154,25 @@ class Scheduler:
                 raise shutting_down()
             self.admission.refuse_when_full()
 
-    def enqueue(self, kind: str, request_id: str, work: Work, *, arrived_at: float | None = None) -> Job:
+    def price(self, work: Work) -> tuple[Cost, Cost | None]:
+        """The work's costs less what the caches hold now (`Work.costs_given`: a peek, an estimate).
+        A peek scans every kept key (the host tier's too), so callers on the event loop price on a
+        worker thread first (decider.server.handlers.admit) and pass the result to `enqueue`."""
+        return work.costs_given(self.loop.caches)
+
+    def enqueue(
+        self,
+        kind: str,
+        request_id: str,
+        work: Work,
+        *,
+        arrived_at: float | None = None,
+        priced: tuple[Cost, Cost | None] | None = None,
+    ) -> Job:
         """Admit and submit in one call, so no cancellation can fall between the two (a job admitted
-        and never submitted would count as waiting forever). The job's `future` is the outcome. Its
-        costs leave out what the caches hold now (`Work.costs_given`: a peek, an estimate)."""
-        cost, least = work.costs_given(self.loop.caches)
+        and never submitted would count as waiting forever). The job's `future` is the outcome.
+        `priced`: the costs `price` gave (priced here when None)."""
+        cost, least = priced if priced is not None else self.price(work)
         job = self.admit(kind, request_id, cost, least=least, arrived_at=arrived_at)
         job.future = self.submit(job, work)
         return job

@@ -240,8 +240,11 @@ class _Invocation:
                     retryable=True,
                 )
             work = engine.decision_work(plan)
+            priced = await self.runtime.intake.run(lambda work=work: self.runtime.scheduler.price(work))
             try:  # admitted and submitted at once, its deadline the invocation's
-                job = self.runtime.scheduler.enqueue("decision", record_id, work, arrived_at=self.arrived_at)
+                job = self.runtime.scheduler.enqueue(
+                    "decision", record_id, work, arrived_at=self.arrived_at, priced=priced
+                )
             except (OverloadedError, UnavailableError) as exc:
                 if not exc.retryable or self.remaining() <= pause or exc.code == "shutting_down":
                     raise

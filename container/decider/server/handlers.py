@@ -54,16 +54,22 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def enqueue(runtime: ServerRuntime, request: Request, kind: str, work: Any) -> Job:
-    """Admit and submit the request's work in one call (nothing can cancel the handler in between),
+async def admit(runtime: ServerRuntime, request: Request, kind: str, work: Any) -> Job:
+    """Price the request's work against the caches on its intake thread (a cache peek scans every
+    kept key: never on the event loop, and at most DECIDER_PARSE_CONCURRENCY at once), release its
+    intake place, then admit and submit it in one call (nothing can cancel the handler in between),
     its deadline counted from the request's arrival."""
+    priced = await runtime.intake.run(lambda: runtime.scheduler.price(work))
+    release_intake(request)
     arrived_at = getattr(request.state, "arrived_at", None)  # set by RequestContextMiddleware
-    return runtime.scheduler.enqueue(kind, request.state.request_id, work, arrived_at=arrived_at)
+    return runtime.scheduler.enqueue(
+        kind, request.state.request_id, work, arrived_at=arrived_at, priced=priced
+    )
 
 
 async def run_until_disconnect(runtime: ServerRuntime, request: Request, kind: str, work: Any) -> Any:
-    """Enqueue `work` and wait for it, but drop the job as soon as the client disconnects."""
-    job = enqueue(runtime, request, kind, work)
+    """Admit `work` and wait for it, but drop the job as soon as the client disconnects."""
+    job = await admit(runtime, request, kind, work)
     assert job.future is not None
     run = asyncio.ensure_future(runtime.scheduler.wait(job, job.future))
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -147,7 +153,6 @@ async def execute_decision(
     thread, admit by token count, run batched on the engine thread, make the response on a worker
     thread from the readouts the engine hands back, count tokens."""
     plan = await runtime.intake.run(prepare)  # parsing and tokenizing never block the event loop
-    release_intake(request)
     outcome = await run_until_disconnect(runtime, request, "decision", engine.decision_work(plan))
     response = await asyncio.to_thread(decision_response, outcome)
     runtime.metrics.tokens.labels("decision_input").inc(response.usage.input_tokens)
@@ -189,7 +194,6 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
         return chat, with_chat_options(engine, chat, plan, runtime.settings.grammar_limits)
 
     chat, plan = await runtime.intake.run(prepare)
-    release_intake(request)
     if chat.stream:
         return await _stream_chat(runtime, request, engine, chat, plan)
     work = engine.chat_work(plan)
@@ -262,7 +266,7 @@ async def _stream_chat(
             loop.call_soon_threadsafe(events.put_nowait, _Failure(exc))
 
     work = engine.chat_work(plan, emit)
-    job = enqueue(runtime, request, "chat", work)
+    job = await admit(runtime, request, "chat", work)
     assert job.future is not None
     job.future.add_done_callback(relay_failure)
     logprobs_sent = 0
