@@ -7,15 +7,13 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 import tarfile
-import types
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from tools.gpu import launch, pack
+from tools.gpu import pack
 
 REPO = pack.REPO_ROOT
 SDIST_TOP = "llama_cpp_python-0.3.36"
@@ -258,24 +256,18 @@ def test_the_remote_script_without_a_pack_says_so(tmp_path: Path) -> None:
     assert done.returncode == 2 and "gpu-pack is missing" in done.stderr
 
 
-def test_the_launcher_stands_the_generated_model_in_for_the_bundled_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_measurements_serve_the_generated_model_with_the_stack_s_settings_and_the_probe_s_overrides(
+    tmp_path: Path,
 ) -> None:
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
-    seen: dict[str, object] = {}
+    from tools.gpu import measure
 
-    def fake_main(argv: list[str]) -> int:
-        from decider.engine import bundled
-
-        seen["argv"], seen["bundled"] = argv, bundled.smollm2_path()
-        return 0
-
-    monkeypatch.setitem(sys.modules, "tools.bench.fake", types.SimpleNamespace(main=fake_main))
-    monkeypatch.setattr(launch, "BENCHMARKS", ("fake",))
-    import decider.engine.bundled as bundled
-
-    monkeypatch.setattr(bundled, "smollm2_path", bundled.smollm2_path)  # restored after the test
-    assert launch.main(["fake", str(model), "--quick"]) == 0
-    assert seen == {"argv": ["--model", str(model.resolve()), "--quick"], "bundled": model.resolve()}
-    assert launch.main(["nope", str(model)]) == 2
+    env_file = tmp_path / "serve-env.json"
+    env_file.write_text(json.dumps(pack.gpu_environment(REPO / pack.GPU_SNAPSHOT)))
+    model = tmp_path / "models" / "m.gguf"
+    env = measure.serve_environment(env_file, model, tmp_path)
+    assert env["DECIDER_MODEL_PATH"] == str(model.parent) and env["DECIDER_MODEL_FILE"] == "m.gguf"
+    assert "DECIDER_MODEL_SHA256" not in env and env["DECIDER_N_GPU_LAYERS"] == "-1"
+    (tmp_path / measure.OVERRIDES).write_text(json.dumps({"LD_PRELOAD": "libstdc++.so.6"}))
+    assert measure.serve_environment(env_file, model, tmp_path)["LD_PRELOAD"] == "libstdc++.so.6"
+    assert measure.percentile([3.0, 1.0, 2.0, 4.0], 50) in (2.0, 3.0) and measure.percentile([5.0], 95) == 5.0
+    assert measure.DIAGNOSES[0][0] == "preload_libstdcxx"
