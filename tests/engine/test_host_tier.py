@@ -177,10 +177,10 @@ def test_a_restore_that_would_make_the_unit_wait_is_a_miss() -> None:
     step.starts_allowed = False  # the gate is closed: nothing starts in this step
     assert cache.lookup([*a, 9], boundary=20, room=step, then=0) is None
     step.starts_allowed = True
-    step.prefix_holders = pool.available - 2  # one more sequence taken, and the unit would wait for one
+    step.branch_reserve = pool.available - 3  # the entry's sequence taken, and a unit could wait for one
     assert cache.lookup([*a, 9], boundary=20, room=step, then=0) is None
     assert not any(op[0] == "restore" for op in memory.ops)
-    step.prefix_holders = 0
+    step.branch_reserve = 0
     assert cache.lookup([*a, 9], boundary=20, room=step, then=50) is not None  # evicts `b` for it
     assert step.cells_left == 30
 

@@ -157,11 +157,11 @@ def test_a_unit_that_needs_their_cells_evicts_kept_states_first() -> None:
     cache.store([2] * 30, seq=HEAD_SEQ)
     caches = type("Caches", (), {"states": cache, "repeats": None})()
     step = Step(memory, pool, tokens_left=64, cells_left=50, caches=caches)
-    assert step.try_start(Unit.STATE, 40, holds_sequence=False)  # fits already: nothing evicted
+    assert step.try_start(Unit.STATE, 40, sequences=0)  # fits already: nothing evicted
     assert len(cache) == 2 and step.cells_left == 10
-    assert step.try_start(Unit.STATE, 35, holds_sequence=False)  # the oldest entry's 30 cells
+    assert step.try_start(Unit.STATE, 35, sequences=0)  # the oldest entry's 30 cells
     assert len(cache) == 1 and step.cells_left == 5
-    assert not step.try_start(Unit.STATE, 100, holds_sequence=False)  # would not fit anyway
+    assert not step.try_start(Unit.STATE, 100, sequences=0)  # would not fit anyway
     assert len(cache) == 1  # so nothing was evicted for it
 
 

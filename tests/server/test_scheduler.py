@@ -546,3 +546,27 @@ def _ignoring_abort(runtime: FakeRuntime) -> Any:
         decode(rows)
 
     return decode_to_the_end
+
+
+def test_a_decision_with_two_letter_labels_waits_for_its_sequences_beside_generating_chats() -> None:
+    """Two chats generate while a decision whose labels span two tokens arrives, with two sequences
+    left: its prefix and one branch, not its label positions. Started then (the old rule asked a
+    state for two), it held its cells and decoded nothing; the chats, short of cells, paused beside
+    it, and after 5 s every started request failed with a 500. It waits now, and all finish."""
+    engine = FakeEngine(n_seq_max=5, n_ctx=3000, chat_tokens=100_000)  # head + 4 free sequences
+    planner = engine.planner
+    planner.labels = build_label_table(planner.builder, chars, lambda t: chr(t).encode(), 255, single_limit=4)
+    criteria = {f"o{i}": None for i in range(12)}
+    work = _work(engine, {"state": "evidence", "questions": {"q": {"type": "choice", "criteria": criteria}}})
+    assert work.states[0].branch_seqs == 2
+    scheduler = _scheduler(engine, deadline=30.0)
+    assert work.states[0].need < 1400  # it fits once a chat has stopped
+    chats = [scheduler.submit(_job(30.0, kind="chat"), _chat(2990)) for _ in range(2)]
+    deadline = time.monotonic() + 5
+    while len(engine.calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)  # both chats generate, each holding a sequence
+    decision = scheduler.submit(_job(30.0), work)
+    response = decision_response(decision.result(20))
+    assert len(response.answers["q"].probabilities) == 12
+    assert {chat.result(20)[1] for chat in chats} <= {"length", "stop"}
+    scheduler.close()

@@ -390,11 +390,11 @@ def test_one_work_s_exception_fails_that_work_alone(where: str) -> None:
 def test_a_chat_does_not_take_the_sequences_a_started_prefix_needs_for_its_branches() -> None:
     seqs = SeqPool(5, (0,))  # four free
     step = Step(memory=_NoMemory(), seqs=seqs, tokens_left=100, cells_left=10_000)
-    step.prefix_holders = 3  # three prefixes wait to open a branch each: one spare sequence only
+    step.branch_reserve = 4  # two prefixes wait to open a two-letter-label branch each: nothing spare
     chat = ChatWork(ChatPlan(prompt=[1, 2, 3], max_tokens=4))
     chat.plan_step(step)
     assert not chat.started and seqs.available == 4 and not step.rows
-    step.prefix_holders = 2
+    step.branch_reserve = 3  # a chat needs one sequence: its own
     chat.plan_step(step)
     assert chat.started and seqs.available == 3
 

@@ -360,7 +360,7 @@ class ChatWork:
         cached = hit.length if hit is not None else 0
         if hit is not None:
             hit.entry.pins += 1
-        if not step.try_start(Unit.CHAT, len(prompt) - cached, holds_sequence=True):
+        if not step.try_start(Unit.CHAT, len(prompt) - cached, sequences=1):
             if hit is not None:
                 hit.entry.pins -= 1
             return False

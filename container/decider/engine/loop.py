@@ -213,7 +213,7 @@ class EngineLoop:
             long_row=policy.n_ubatch // 2,
             start_below_tokens=policy.n_ubatch,
         )
-        step.prefix_holders = sum(r.work.footprint().prefix_seqs for r in self.works)
+        step.branch_reserve = sum(r.work.footprint().prefix_seqs for r in self.works)
         epoch_full = self.epochs.full(self.seqs, self.works)
         now = time.monotonic()
         order = [r for r in self.works if r.work.kind == "chat" and r.started] + [

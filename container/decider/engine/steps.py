@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from decider.engine.native import Row
+from decider.invariance import MIN_WORK_SEQS
 
 
 class Memory(Protocol):
@@ -133,9 +134,11 @@ class Step:
     tokens_left: int
     cells_left: int
     running: Sequence[Any] = ()  # every work the scheduler runs, the asking one included
-    # Sequences held across steps by prefixes that still need branch sequences to finish. A new
-    # prefix may start only while enough sequences stay free for each of them to open a branch.
-    prefix_holders: int = 0
+    # Sequences the started prefixes still need to open their next branch (each: one, or two for
+    # an item whose labels span several tokens: its branch and their label positions; set by the
+    # scheduler from the works' footprints). A new unit starts only while its own need stays free
+    # beside them (`has_sequences`): started work never waits for a sequence.
+    branch_reserve: int = 0
     # The scheduler's gate, set before each work plans: false behind a unit that could not start
     # (first come, first served) and while the memory epoch is full.
     starts_allowed: bool = True
@@ -176,21 +179,21 @@ class Step:
         decoded yet, less the rows planned into it."""
         return sum(work.footprint().future for work in self.running) - self.token_count
 
-    def may_hold_sequence(self) -> bool:
-        """A new unit that holds a sequence across steps (a state's prefix, a chat) may start only
-        while one more stays free for a branch and one for its label positions, beyond one for each
-        prefix already waiting to open its branches: started work never waits for a sequence."""
-        return self.seqs.available >= self.prefix_holders + 2
+    def has_sequences(self, sequences: int) -> bool:
+        """`sequences` free beyond what the started prefixes still need (`branch_reserve`). The one
+        reserve rule: a chat needs one; a state its prefix and its first branch, plus one for label
+        positions when any of its items has labels of several tokens (decider.engine.work)."""
+        return self.seqs.available >= self.branch_reserve + sequences
 
-    def try_start(self, unit: Unit, cells: int, *, holds_sequence: bool) -> bool:
+    def try_start(self, unit: Unit, cells: int, *, sequences: int) -> bool:
         """Reserve `cells` for a new `unit` if it may start in this step, and say whether it did.
 
         - Nothing starts while the gate is closed, nor while started units have a micro-batch of
           tokens left after this step (`may_start`).
         - A state too large for one epoch holds cells alone: it waits until no state holds any.
         - No other state starts while such a state runs.
-        - The unit's cells must all be free (kept states are evicted for them first), and one
-          holding a sequence needs `may_hold_sequence`.
+        - The unit's cells must all be free (kept states are evicted for them first), and the
+          `sequences` it needs to make progress must be free beside the started ones' (`has_sequences`).
         """
         if not self.may_start:
             return False
@@ -203,7 +206,7 @@ class Step:
         if self.cells_left < cells:
             self.waiting_for_cells = self.waiting_for_cells or cells
             return False
-        if holds_sequence and not self.may_hold_sequence():
+        if not self.has_sequences(sequences):
             return False
         self.cells_left -= cells
         return True
@@ -214,7 +217,7 @@ class Step:
         open, `then` more cells stay free beside them (kept states are evicted for both first), and
         a sequence stays for the unit once the restored entry holds one. So a restore never makes
         that unit wait, nor any other; refused, the unit starts as on a miss."""
-        if not self.may_start or self.seqs.available < self.prefix_holders + 3:
+        if not self.may_start or not self.has_sequences(1 + MIN_WORK_SEQS):  # the entry's, and a unit's most
             return False
         self._reclaim_cells(cells + then)
         if self.cells_left < cells + then:

@@ -41,7 +41,7 @@ class Footprint:
     future: int = 0
     dead: int = 0
     seqs: tuple[int, ...] = ()  # every sequence it holds, whatever its role
-    prefix_seqs: int = 0  # prefixes still to open branches: each needs a free sequence to finish
+    prefix_seqs: int = 0  # sequences its prefixes still need to open their branches (Step.branch_reserve)
     holds_epoch_cells: bool = False  # a started, open decision state: a memory epoch must keep its cells
     streams_alone: bool = False  # a state too large for one epoch runs: no other state may start
 
@@ -122,6 +122,9 @@ class _StateRun:
     item_cells: dict[int, int]  # id(item) -> cells its branches take (tail + label positions)
     prefix_cells: int  # the shared prefix's cells (0 in fresh mode: every branch holds its whole prompt)
     seq: int | None = None  # the prefix sequence, while branches are still to be copied from it
+    # Sequences a branch of this state takes to open: 2 when any item's labels span several tokens
+    # (its branch and their label positions, `_fits`), else 1 (Step.has_sequences: the one rule).
+    branch_seqs: int = 1
     started: bool = False
     streaming: bool = False  # too large for one epoch: branches are freed as they finish
     prefilled: int = 0
@@ -187,6 +190,7 @@ class DecisionWork:
             cells = {id(item): before + len(item.tokens) + len(item.trie.nodes) - 1 for item in state.items}
             prefix_cells = 0 if fresh else len(state.prefix)
             run = _StateRun(state, deque(state.items), len(state.items), cells, prefix_cells)
+            run.branch_seqs = 2 if any(item.trie.children(()) for item in state.items) else 1
             if not fresh and state.items and state.prompt.canonical:
                 run.boundary = len(state.prompt.tokens)
             self.states.append(run)
@@ -235,7 +239,7 @@ class DecisionWork:
             future=sum(state.future for state in self.states),
             dead=sum(state.dead for state in self.states),
             seqs=tuple(sorted(self._held)),
-            prefix_seqs=sum(1 for state in self.states if state.seq is not None),
+            prefix_seqs=sum(state.branch_seqs for state in self.states if state.seq is not None),
             holds_epoch_cells=bool(running),
             streams_alone=any(state.streaming for state in running),
         )
@@ -343,7 +347,8 @@ class DecisionWork:
         cached = hit.length if hit is not None else 0
         if hit is not None:
             hit.entry.pins += 1
-        started = step.try_start(unit, cells - cached, holds_sequence=shared)
+        # shared: its prefix, held across steps, and its first branch; fresh: the first branch
+        started = step.try_start(unit, cells - cached, sequences=state.branch_seqs + (1 if shared else 0))
         if not started:
             if hit is not None:
                 hit.entry.pins -= 1
@@ -362,7 +367,7 @@ class DecisionWork:
                 if kept is not None:
                     kept.missed()
             state.seq = seq
-            step.prefix_holders += 1
+            step.branch_reserve += state.branch_seqs
         return True
 
     def _keep_state(self, step: Step, state: _StateRun) -> None:
@@ -408,7 +413,7 @@ class DecisionWork:
         if not state.pending and state.seq is not None:
             self._free(step, state.seq)  # every branch holds the prefix's cells now
             state.seq = None
-            step.prefix_holders -= 1
+            step.branch_reserve -= state.branch_seqs
 
     def _prefilled(self, step: Step, state: _StateRun, take: int) -> None:
         state.prefilled += take
