@@ -205,6 +205,41 @@ def test_idle_server_tries_a_request_near_the_deadline_and_refuses_only_the_hope
     scheduler.close()
 
 
+def test_beside_work_ahead_a_request_is_admitted_only_with_the_estimate_s_margin() -> None:
+    """Estimates run 8-26 % short of measured times: a request whose bare estimate is 90 % of its
+    time left was admitted, held its neighbours' steps and answered 504. It is refused now (503,
+    retryable), and one with the margin to spare is still admitted."""
+    engine = FakeEngine(token_seconds=0.001)
+    scheduler = _scheduler(engine, deadline=10.0)
+    for size in (50, 400, 120):
+        _timed(scheduler, _work(engine, size))
+    gate = threading.Event()
+    engine.runtime.gate = gate
+    ahead = scheduler.enqueue("decision", "a", _work(engine, 300))
+    admission = scheduler.admission
+
+    def estimate(tokens: int) -> float:
+        now = time.monotonic()
+        return admission._finish_seconds(Cost(3, tokens), admission._ahead(now), now)
+
+    def tokens_for(seconds: float) -> int:
+        low, high = 1, 1_000_000
+        while low < high:  # the largest request whose estimate stays within `seconds`
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if estimate(mid) <= seconds else (low, mid - 1)
+        return low
+
+    near = tokens_for(0.9 * 10.0)
+    with pytest.raises(UnavailableError) as refused:
+        scheduler.admit("decision", "near", Cost(3, near))
+    assert refused.value.code == "deadline_unreachable" and refused.value.retryable
+    spare = tokens_for(0.75 * 10.0)
+    scheduler.withdraw(scheduler.admit("decision", "spare", Cost(3, spare)))
+    gate.set()
+    ahead.future.result(5)  # type: ignore[union-attr]
+    scheduler.close()
+
+
 def test_admission_counts_only_what_kept_states_and_chat_turns_leave_to_decode() -> None:
     """A decision on a kept state decodes its questions' tails only, and a chat's next turn only what
     follows the kept turn: admission's estimates (a peek at the cache) say so, within 0.8-1.25 of
