@@ -23,6 +23,7 @@ from decider.errors import (
     DeadlineExceededError,
     DeciderError,
     OverloadedError,
+    RequestError,
     UnavailableError,
 )
 from decider.schemas.decision import parse_batch_request, parse_decision_request
@@ -570,3 +571,30 @@ def test_a_decision_with_two_letter_labels_waits_for_its_sequences_beside_genera
     assert len(response.answers["q"].probabilities) == 12
     assert {chat.result(20)[1] for chat in chats} <= {"length", "stop"}
     scheduler.close()
+
+
+@pytest.mark.parametrize("mode", ["shared", "fresh"])
+def test_a_question_the_work_could_not_reserve_is_refused_when_planned(mode: str) -> None:
+    """The planner checked prompt + tail + the deepest label against the context; the work reserves
+    every label position, and in fresh mode the head again. A request between the two was admitted,
+    held the gate, and got its 422 only after everything else had drained. Now planning refuses it."""
+    engine = FakeEngine(n_ctx=100_000)
+    planner = engine.planner
+    planner.labels = build_label_table(planner.builder, chars, lambda t: chr(t).encode(), 255, single_limit=4)
+    planner.builder.head_tokens = [7] * 40  # a cached head, as a real template has
+    criteria = {f"o{i}": None for i in range(120)}  # two-letter labels under several first letters
+    body = {"state": "evidence", "questions": {"q": {"type": "choice", "criteria": criteria}}, "mode": mode}
+    state = engine.plan_decision(parse_decision_request(body)).states[0]
+    item = state.items[0]
+    depth = max(len(label.tokens) for label in item.labels)
+    reserved = (
+        (40 if mode == "fresh" else 0) + len(state.prefix) + len(item.tokens) + len(item.trie.nodes) - 1
+    )
+    assert reserved > len(state.prefix) + len(item.tokens) + depth  # the two used to disagree
+    planner.n_ctx = 40 + reserved - 1  # room: one cell short of what the work reserves
+    with pytest.raises(RequestError) as refused:
+        engine.plan_decision(parse_decision_request(body))
+    assert refused.value.code == "context_length_exceeded" and "label positions" in str(refused.value)
+    planner.n_ctx = 40 + reserved
+    work = engine.decision_work(engine.plan_decision(parse_decision_request(body)))
+    assert work.states[0].need <= planner.room  # what the work reserves is what the planner checked
