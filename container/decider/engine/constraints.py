@@ -280,8 +280,10 @@ def _close(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = dict(node)
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out and (
-        "patternProperties" not in out and "unevaluatedProperties" not in out
+    if (
+        isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and ("patternProperties" not in out and "unevaluatedProperties" not in out)
     ):
         out["additionalProperties"] = False
     for key in _SUBSCHEMA_MAPS:
