@@ -208,3 +208,39 @@ def test_smollm2_random_walks_validate_and_masks_are_fast(smol: tuple[Vocabulary
     constraint = compile_constraint(vocab, schema)
     constraint.prepare()
     assert constraint.mask_seconds < 0.5
+
+
+class _FailsAtStep:
+    """A constraint that allows everything until step `at`, then fails as a spent fuel would."""
+
+    def __init__(self, at: int, failure: ConstraintFailedError) -> None:
+        self.at, self.failure, self.steps = at, failure, 0
+
+    def mask(self, logits: np.ndarray) -> None:
+        if self.steps >= self.at:
+            raise self.failure
+
+    def accept(self, token: int) -> None:
+        self.steps += 1
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("at", [0, 3])
+def test_a_failed_step_ends_that_chat_with_a_typed_error_and_the_engine_goes_on(engine: Any, at: int) -> None:
+    import dataclasses
+
+    from decider.errors import RequestError
+
+    messages = [{"role": "user", "content": "Say something."}]
+    plan = engine.chat_plan(messages, max_tokens=8, max_tokens_cap=8, temperature=0.0)
+    failure = ConstraintFailedError("the response_format allows no token here", constraints.UNSATISFIABLE)
+    failing = dataclasses.replace(plan, constraint=_FailsAtStep(at, failure))
+    with pytest.raises(RequestError) as ended:
+        engine._run_local(engine.chat_work(failing), "chat")
+    assert (ended.value.code, ended.value.status, ended.value.param) == (
+        constraints.UNSATISFIABLE,
+        422,
+        "response_format",
+    )
+    text, finish, _usage = engine._run_local(engine.chat_work(plan), "chat")  # the next chat is served
+    assert finish in ("stop", "length") and text
