@@ -29,6 +29,7 @@ without a bound and kept unbounded parse stacks; see docs/structured-output.md).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import threading
@@ -171,13 +172,20 @@ def _llama_tokenize(runtime: Any) -> Callable[[bytes], list[int]]:
 def read_vocabulary(runtime: Any) -> Vocabulary:
     """The model's vocabulary from its GGUF: each token's bytes (`llama_token_to_piece`, special
     text included), control tokens (and user-defined `<...>` ones) special, every
-    end-of-generation token an end."""
+    end-of-generation token an end. Runs on a worker thread beside the engine's: it reads the
+    vocabulary only (no buffer or state of the runtime's is shared)."""
     pieces: list[bytes] = []
     special: list[int] = []
     eog: list[int] = []
+    vocab = runtime.vocab
+    buffer = ctypes.create_string_buffer(256)  # its own: runtime.piece's buffer is the engine thread's
     for token in range(runtime.n_vocab):
         attr = runtime.token_attr(token)
-        piece = runtime.piece(token, special=True)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+        if n < 0:
+            buffer = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+        piece = buffer.raw[: max(n, 0)]
         if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL or (
             attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<") and piece.endswith(b">")
         ):
