@@ -6,6 +6,7 @@ this project):
 
     .venv/bin/python -m tools.bench.constraint_engines dump VOCAB.json      # SmolLM2's pieces, from the GGUF
     PY -m tools.bench.constraint_engines run VOCAB.json ENGINE CASE [--size N]
+    .venv/bin/python -m tools.bench.constraint_engines serving   # the server: ms per token, schema vs plain
 
 `run` prints one JSON line: the compile time (schema to a ready matcher/index, first mask included),
 then the mask time (the engine writing its bitmask; reading the bitmask in numpy is not counted) of
@@ -266,6 +267,36 @@ def run(vocab_path: str, engine_name: str, case: str, size: int | None) -> dict[
     return result
 
 
+SERVING_SCHEMA = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}}}
+
+
+def serving(repeats: int) -> dict[str, Any]:
+    """The server's time per generated token (median of `repeats` greedy 40-token chats), with the
+    tags schema (`response_format`) and without, on the bundled model with one inference thread."""
+    import httpx
+
+    from tools.local_server import run_local_server
+
+    result: dict[str, Any] = {}
+    messages = [{"role": "user", "content": "List tags for a blog post about cooking."}]
+    with run_local_server({"DECIDER_N_THREADS": "1"}) as server:
+        url = f"{server.base_url}/v1/chat/completions"
+        for label, schema in (("schema", SERVING_SCHEMA), ("plain", None)):
+            body: dict[str, Any] = {"messages": messages, "max_tokens": 40, "temperature": 0}
+            if schema is not None:
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "t", "schema": schema},
+                }
+            per_token = []
+            for _ in range(repeats):
+                start = time.monotonic()
+                answer = httpx.post(url, json=body, timeout=120).json()
+                per_token.append((time.monotonic() - start) / answer["usage"]["completion_tokens"])
+            result[f"{label}_ms_per_token"] = round(1e3 * sorted(per_token)[len(per_token) // 2], 2)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -278,9 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     running.add_argument("engine", choices=sorted(ENGINES))
     running.add_argument("case", choices=sorted(CASES))
     running.add_argument("--size", type=int, default=None)
+    served = commands.add_parser("serving")
+    served.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args(argv)
     if args.command == "dump":
         dump(args.path)
+    elif args.command == "serving":
+        print(json.dumps(serving(args.repeats)), flush=True)
     else:
         print(json.dumps(run(args.vocab, args.engine, args.case, args.size)), flush=True)
     return 0
