@@ -96,7 +96,6 @@ def test_a_token_the_mask_did_not_allow_is_a_typed_failure() -> None:
         ({"properties": {"a": {"type": "string", "if": {}}}}, INVALID, ("properties", "a", "if")),
         ({"$ref": "#/nope"}, INVALID, ()),
         ({"type": "string", "minLength": 3, "maxLength": 2}, INVALID, ()),
-        ({"type": "string", "format": "no-such-format"}, INVALID, ()),
         ({"enum": ["x" * 70_000]}, TOO_COMPLEX, ()),
         ({"type": "string", "pattern": "\ud800"}, INVALID, ("pattern",)),
         ({"description": "ok", "properties": {"\udc00": {}}}, INVALID, ("properties", "\\udc00")),
@@ -154,6 +153,23 @@ def test_closed_objects_leave_allof_alone() -> None:
     assert constraints.closed_objects(merged) == merged
     kept = {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
     assert constraints.closed_objects(kept) == kept
+
+
+def test_unknown_formats_are_annotations() -> None:
+    """llguidance refuses a `format` it does not know; JSON Schema makes `format` an annotation, and
+    the GBNF path ignored the unknown ones: they are dropped (from schemas, never from values)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "link": {"type": "string", "format": "uri-reference"},
+            "when": {"type": "string", "format": "date"},
+            "format": {"const": {"format": "int64"}},
+        },
+    }
+    kept = constraints.known_formats_only(schema)
+    assert "format" not in kept["properties"]["link"] and kept["properties"]["when"]["format"] == "date"
+    assert kept["properties"]["format"] == {"const": {"format": "int64"}}
+    compile_constraint(FAKE, {"type": "string", "format": "no-such-format"})
 
 
 def test_the_bounds_are_settings() -> None:

@@ -264,7 +264,9 @@ def lark_grammar(schema: dict[str, Any], json_object: bool = False) -> str:
     canonical tokenization of bytes the grammar forces, e.g. `colour` but not `c` after `{ "`; that
     changes greedy answers.)"""
     options = JSON_OBJECT_OPTIONS if json_object else SCHEMA_OPTIONS
-    text = json.dumps({**closed_objects(schema), "x-guidance": options}, ensure_ascii=True)
+    text = json.dumps(
+        {**known_formats_only(closed_objects(schema)), "x-guidance": options}, ensure_ascii=True
+    )
     return f'%llguidance {{"no_forcing": true}}\nstart: %json {text}\n'
 
 
@@ -304,6 +306,28 @@ def _close(node: Any) -> Any:
         if isinstance(out.get(key), dict):
             out[key] = _close(out[key])
     return out
+
+
+# the `format`s llguidance constrains (1.9.1); it refuses any other
+FORMATS = frozenset(
+    ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid")
+)
+_VALUES = frozenset(("enum", "const", "default", "examples"))  # JSON values, not schemas
+
+
+def known_formats_only(schema: Any) -> Any:
+    """The schema without the `format`s llguidance does not know (`uri-reference`, `int64`, …): JSON
+    Schema makes `format` an annotation unless a validator opts in, and the GBNF path ignored the ones
+    it did not know; llguidance would refuse the whole schema."""
+    if isinstance(schema, list):
+        return [known_formats_only(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {
+        key: value if key in _VALUES else known_formats_only(value)
+        for key, value in schema.items()
+        if not (key == "format" and isinstance(value, str) and value not in FORMATS)
+    }
 
 
 def _check_deadline(deadline: float | None) -> None:
