@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 from server_helpers import assert_error_body
 
-from tools.local_server import LocalServer
+from tools.local_server import LocalServer, remote_server, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 RECORDED = json.loads((Path(__file__).parent / "data" / "greedy_structured_output.json").read_text())
@@ -208,3 +208,41 @@ def test_the_server_survived(live_server: LocalServer) -> None:
     if isinstance(live_server, LocalServer):
         assert live_server.process.poll() is None
         assert "Traceback" not in live_server.logs()
+
+
+WIDE = {
+    "type": "object",
+    "properties": {"a": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}},
+    "required": ["a"],
+}
+
+
+def test_a_bound_hit_mid_answer_ends_that_chat_typed_plain_and_streamed() -> None:
+    """With DECIDER_MAX_CONSTRAINT_STEP_ITEMS at its floor, an object of 300 optional properties
+    under `a` passes the first steps (`{ "a": `) and then needs more Earley items than allowed: the
+    plain chat is a 422 response_format_too_complex, the stream an error event after its first
+    tokens, and the server goes on."""
+    if remote_server() is not None:
+        pytest.skip("needs a server with settings of its own")
+    with run_local_server({"DECIDER_N_THREADS": "1", "DECIDER_MAX_CONSTRAINT_STEP_ITEMS": "100"}) as server:
+        response = _chat(server, WIDE)
+        assert response.status_code == 422, response.text
+        assert_error_body(response.json(), "response_format_too_complex", status=422)
+        assert response.json()["error"]["param"] == "response_format"
+        body = {
+            "messages": [{"role": "user", "content": "Answer in JSON."}],
+            "max_tokens": 24,
+            "temperature": 0,
+            "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WIDE}},
+        }
+        events = []
+        url = f"{server.base_url}/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=120) as stream:
+            assert stream.status_code == 200
+            events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        errors = [json.loads(e) for e in events[:-1] if "error" in json.loads(e)]
+        assert errors and errors[0]["error"]["code"] == "response_format_too_complex"
+        _still_serving(server)
+        assert "Traceback" not in server.logs()
