@@ -199,6 +199,10 @@ def test_smollm2_vocabulary(smol: tuple[Vocabulary, list[bytes]]) -> None:
     assert allowed.shape == (49152,)
     assert {pieces[t] for t in np.flatnonzero(allowed)} >= {b"{", b'{"'}
     assert not allowed[1] and not allowed[2]  # <|im_start|>, <|im_end|> inside JSON: never
+    special = {t for t in range(vocab.n_vocab) if vocab.tokenizer.is_special_token(t)}
+    assert {0, 1, 2} <= special
+    plain = [t for t in range(vocab.n_vocab) if t not in special]
+    assert all(vocab.tokenizer.decode_bytes([t]) == pieces[t] for t in plain)  # the GGUF's own bytes
 
 
 @pytest.mark.model
