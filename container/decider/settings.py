@@ -59,13 +59,15 @@ class CacheBudget:
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """The response_format limits decider.engine.schema_limits checks; the defaults are the settings'."""
+    """The response_format bounds (decider.engine.schema_limits checks the size, llguidance's
+    `LLParserLimits` the rest: decider.engine.constraints); the defaults are the settings'."""
 
     schema_bytes: int = 65536
-    repetition: int = 4096
-    optional_properties: int = 128
-    grammar_bytes: int = 262144
-    grammar_depth: int = 1024
+    compile_fuel: int = 200_000  # llguidance initial_lexer_fuel
+    step_fuel: int = 100_000  # step_lexer_fuel
+    step_items: int = 20_000  # step_max_items
+    lexer_states: int = 50_000  # max_lexer_states
+    grammar_size: int = 200_000  # max_grammar_size
 
 
 class Settings(BaseSettings):
@@ -233,37 +235,45 @@ class Settings(BaseSettings):
         description="Characters per chat `stop` string (each is searched for after every token).",
     )
 
-    # --- chat response_format limits (decider.engine.schema_limits; 422 response_format_too_complex) ---
+    # --- chat response_format bounds (decider.engine.constraints; 422 response_format_too_complex) ---
     max_schema_bytes: int = Field(
         GrammarLimits.schema_bytes,
         ge=256,
         le=SAGEMAKER_MAX_BODY_BYTES,
         description="Bytes of one JSON schema.",
     )
-    max_schema_repetition: int = Field(
-        GrammarLimits.repetition,
-        ge=1,
-        le=16384,
-        description="minLength/maxLength/minItems/maxItems and pattern quantifiers of one schema, added up.",
+    max_constraint_compile_fuel: int = Field(
+        GrammarLimits.compile_fuel,
+        ge=1000,
+        le=10_000_000,
+        description="llguidance lexer fuel to build one schema's lexer (its initial_lexer_fuel): bounds the "
+        "compile time; past it, 422 response_format_too_complex.",
     )
-    max_schema_optional_properties: int = Field(
-        GrammarLimits.optional_properties,
-        ge=1,
-        le=512,
-        description="Optional properties of one object (llama.cpp's converter does quadratic work on them).",
+    max_constraint_step_fuel: int = Field(
+        GrammarLimits.step_fuel,
+        ge=1000,
+        le=10_000_000,
+        description="llguidance lexer fuel per generated token (step_lexer_fuel): bounds the mask work per "
+        "token; past it the chat ends with response_format_too_complex.",
     )
-    max_grammar_bytes: int = Field(
-        GrammarLimits.grammar_bytes,
-        ge=1024,
-        le=4 * 1024 * 1024,
-        description="Bytes of the GBNF made from a schema.",
+    max_constraint_step_items: int = Field(
+        GrammarLimits.step_items,
+        ge=100,
+        le=1_000_000,
+        description="Earley items per generated token (llguidance step_max_items): bounds ambiguous schemas.",
     )
-    max_grammar_depth: int = Field(
-        GrammarLimits.grammar_depth,
-        ge=8,
-        le=2048,
-        description="Nesting of groups in that GBNF. llama.cpp's parser recurses per level without a limit "
-        "(~480 bytes of stack each: ~17,000 levels crash an 8 MiB thread stack); the default is a sixteenth.",
+    max_constraint_lexer_states: int = Field(
+        GrammarLimits.lexer_states,
+        ge=100,
+        le=1_000_000,
+        description="Lexer states one chat's constraint may build (llguidance max_lexer_states; "
+        "1-2 kB each).",
+    )
+    max_constraint_grammar_size: int = Field(
+        GrammarLimits.grammar_size,
+        ge=1000,
+        le=2_000_000,
+        description="Symbols in the grammar made from one schema (llguidance max_grammar_size).",
     )
 
     # --- admission control ---------------------------------------------------------------
@@ -384,13 +394,14 @@ class Settings(BaseSettings):
 
     @property
     def grammar_limits(self) -> GrammarLimits:
-        """The response_format limits, as decider.engine.schema_limits takes them."""
+        """The response_format bounds, as decider.engine.constraints takes them."""
         return GrammarLimits(
             schema_bytes=self.max_schema_bytes,
-            repetition=self.max_schema_repetition,
-            optional_properties=self.max_schema_optional_properties,
-            grammar_bytes=self.max_grammar_bytes,
-            grammar_depth=self.max_grammar_depth,
+            compile_fuel=self.max_constraint_compile_fuel,
+            step_fuel=self.max_constraint_step_fuel,
+            step_items=self.max_constraint_step_items,
+            lexer_states=self.max_constraint_lexer_states,
+            grammar_size=self.max_constraint_grammar_size,
         )
 
     def temperature_for(self, question_type: QuestionType) -> float:

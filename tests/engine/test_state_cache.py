@@ -20,7 +20,7 @@ from typing import Any
 
 import llama_cpp
 import pytest
-from decider.engine import DecisionEngine, chat_options
+from decider.engine import DecisionEngine, constraints
 from decider.engine.generation import GenerationUsage
 from decider.engine.host_cache import HostCache
 from decider.engine.native import Row
@@ -576,13 +576,14 @@ def test_a_cancelled_chat_unpins_the_turn_it_copied(cached: DecisionEngine) -> N
 
 
 @pytest.mark.model
-def test_a_grammar_chat_reuses_only_the_kv_cells(smollm2: DecisionEngine) -> None:
-    """response_format's grammar sampler is the request's own: a turn that copies the kept turn still
-    writes what the grammar allows."""
+def test_a_constrained_chat_reuses_only_the_kv_cells(smollm2: DecisionEngine) -> None:
+    """response_format's constraint is the request's own: a turn that copies the kept turn still
+    writes what the constraint allows."""
     _usages, messages = converse(smollm2, [opening()])
     messages.append({"role": "user", "content": "Answer as a JSON object."})
     plan = smollm2.chat_plan(messages, max_tokens=6, max_tokens_cap=6, temperature=0.0)
-    plan = dataclasses.replace(plan, grammar=chat_options.json_object_grammar())
+    constraint = constraints.compile_constraint(constraints.vocabulary(smollm2.runtime), None)
+    plan = dataclasses.replace(plan, constraint=constraint)
     text, _finish, usage = smollm2._run_local(smollm2.chat_work(plan), "chat")
     assert usage.cached_tokens > 0 and text.lstrip().startswith("{")
     assert_released(smollm2)

@@ -22,8 +22,8 @@ prompt starts with what the previous turn decoded:
 A kept turn serves only a prompt that continues it (one that covers its whole prompt): a first
 turn, or the same request sent again, is prefilled whole as it was the first time, and gives the
 same answer again. A conversation keeps one entry, its latest turn's: the turn a chat continued
-gives way to the chat's own. The sampler (grammar, seed) is the request's own: only the KV cells
-are reused.
+gives way to the chat's own. The sampler (seed) and the response_format constraint are the
+request's own: only the KV cells are reused.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from decider.engine import chat_options, generation
 from decider.engine.admission import ChatLengths
+from decider.engine.constraints import Constraint, ConstraintFailedError
 from decider.engine.cost import Cost, span_attended
 from decider.engine.generation import (
     FinishReason,
@@ -61,7 +62,9 @@ class ChatPlan:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    grammar: str | None = None  # GBNF constraining the output (response_format; chat_options)
+    # the response_format's constraint (decider.engine.constraints), compiled while planning: the
+    # request's own (one work per plan), it holds the parse state as tokens are generated
+    constraint: Constraint | None = None
     top_logprobs: int | None = None  # None: no logprobs; else logprobs with this many alternatives
     # Where the messages end and the generation prompt begins (tokens): the turn kept on models that
     # take exact hits only. None: nothing is kept at a boundary (attention-only models keep the end).
@@ -373,10 +376,7 @@ class ChatWork:
             self.cached = self._prefilled = self._position = cached
         elif kept is not None:
             kept.missed(CHAT)
-        grammar = None
-        if self.plan.grammar is not None:  # checked while planning: llama.cpp accepts it
-            grammar = chat_options.grammar_sampler(step.memory.vocab, self.plan.grammar)  # type: ignore[attr-defined]
-        self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed, grammar)
+        self._sampler = make_sampler(self.plan.temperature, self.plan.top_p, self.plan.seed)
         return True
 
     def _add(self, step: Step, row: Row, on_done: Callable[[Row], None]) -> None:
@@ -404,12 +404,26 @@ class ChatWork:
     def _sampled(self, step: Step, done: Row) -> None:
         assert done.result is not None
         runtime: Sampling = step.memory  # type: ignore[assignment]
+        constraint, raw = self.plan.constraint, None
+        if constraint is not None:  # only the allowed tokens keep their logits (in llama.cpp's buffer)
+            logits = runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
+            if self.plan.top_logprobs is not None:
+                raw = logits.copy()  # logprobs are the model's own, before the mask
+            try:
+                constraint.mask(logits)
+            except ConstraintFailedError as exc:
+                raise _constraint_failed(exc) from None
         token = runtime.sample(self._sampler, done.result.batch_index)
         if runtime.is_eog(token):
             self._end(step.memory, step.seqs, "stop")
             return
+        if constraint is not None:
+            try:
+                constraint.accept(token)
+            except ConstraintFailedError as exc:
+                raise _constraint_failed(exc) from None
         if self.plan.top_logprobs is not None:  # before the text event that carries this token
-            logits = runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
+            logits = raw if raw is not None else runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
             self.logprobs.append(
                 chat_options.token_logprobs(logits, token, self.plan.top_logprobs, runtime.piece)
             )
@@ -484,3 +498,9 @@ class ChatWork:
         self._release(memory, seqs)
         if self._finish is None:
             self._finish = "cancelled"
+
+
+def _constraint_failed(exc: ConstraintFailedError) -> RequestError:
+    """A chat whose response_format cannot take its next step ends with this (the loop fails that
+    work alone): a 422 before the first token, an error event in a stream after it."""
+    return RequestError(str(exc), code=exc.code, param="response_format")

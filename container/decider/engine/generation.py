@@ -137,12 +137,10 @@ class StopFilter:
         return text
 
 
-def make_sampler(temperature: float, top_p: float, seed: int | None, grammar: Any = None) -> Any:
+def make_sampler(temperature: float, top_p: float, seed: int | None) -> Any:
     """A llama.cpp sampler chain: greedy at temperature 0, else top-p, temperature, seeded draw.
-    A grammar sampler (`chat_options.grammar_sampler`), when given, goes first: the chain owns it."""
+    A response_format's mask (decider.engine.constraints) is applied to the logits before it runs."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-    if grammar is not None:
-        llama_cpp.llama_sampler_chain_add(chain, grammar)
     if temperature <= 0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
     else:

@@ -306,6 +306,9 @@ class EngineLoop:
             running.decoded += len(planned.row.tokens)
             try:
                 planned.on_done(planned.row)
+            except DeciderError as exc:  # a typed end of that work alone (a chat's response_format)
+                log.info("request %s: %s (%s)", running.job.request_id, exc.code, exc.message)
+                self._remove(running, exc)
             except Exception as exc:  # one work's bug fails that work alone, never its neighbours
                 log.exception("request %s: reading its rows failed", running.job.request_id)
                 self._remove(running, internal_error(exc))

@@ -425,7 +425,7 @@ class LlamaRuntime:
 
     @property
     def vocab(self) -> Any:
-        """The model's vocabulary handle (chat grammar samplers are built on it)."""
+        """The model's vocabulary handle (the response_format vocabulary is read from it)."""
         return self._vocab
 
     def logits_at(self, batch_index: int) -> np.ndarray:

@@ -1,20 +1,23 @@
-"""What a chat request asks beyond text (issue 18), onto its plan: the grammar of its
-`response_format` and its `logprobs` / `top_logprobs` (decider.engine.chat_options).
+"""What a chat request asks beyond text (issue 18), onto its plan: the constraint of its
+`response_format` and its `logprobs` / `top_logprobs` (decider.engine.constraints, chat_options).
 
-Runs in the handler's planning step (a worker thread): the grammar is compiled once against the
-model's vocabulary there, so a schema llama.cpp cannot use is a 422 `invalid_response_format`
-naming the field before the request takes a place in the queue.
+Runs in the handler's planning step (a worker thread): the schema is checked, compiled against the
+model's vocabulary and its first mask computed there, all before the request's deadline, so a
+schema that cannot be used is a 422 naming the field before the request takes a place in the
+queue: `response_format_too_complex` past a bound, `invalid_response_format` for a schema the
+engine refuses (a keyword it does not implement is named), `response_format_unsatisfiable` when no
+output can start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
-from decider.engine import chat_options
+from decider.engine import chat_options, constraints
 from decider.engine.chat import ChatPlan
-from decider.engine.schema_limits import GrammarLimitError
-from decider.errors import RequestError
+from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.chat import ChatCompletionRequest
 from decider.settings import GrammarLimits
 
@@ -35,30 +38,42 @@ def check_stop(chat: ChatCompletionRequest, max_chars: int) -> None:
 
 
 def with_chat_options(
-    engine: Any, chat: ChatCompletionRequest, plan: ChatPlan, limits: GrammarLimits | None = None
+    engine: Any,
+    chat: ChatCompletionRequest,
+    plan: ChatPlan,
+    limits: GrammarLimits | None = None,
+    *,
+    deadline: float | None = None,
 ) -> ChatPlan:
+    """`plan` with the request's constraint and logprobs. `deadline` (time.monotonic): past it,
+    while the schema is compiled, a 504 deadline_exceeded."""
     spec = chat.output_schema()
-    grammar: str | None = None
+    constraint: constraints.Constraint | None = None
     if spec is not None:
         kind, schema = spec
-        param = ".".join(SCHEMA_PARAM) if kind == "json_schema" else "response_format"
+        base = SCHEMA_PARAM if kind == "json_schema" else ("response_format",)
         try:
-            grammar = (
-                chat_options.schema_grammar(schema or {}, limits)
-                if kind == "json_schema"
-                else (chat_options.json_object_grammar())
+            constraint = constraints.compile_constraint(
+                constraints.vocabulary(engine.runtime),
+                (schema or {}) if kind == "json_schema" else None,
+                limits,
+                deadline=deadline,
             )
-            chat_options.check_grammar(engine.runtime.vocab, grammar)
-        except GrammarLimitError as exc:
-            raise RequestError(
-                str(exc), code="response_format_too_complex", param=(*SCHEMA_PARAM, *exc.path)
+        except constraints.ConstraintError as exc:
+            raise RequestError(str(exc), code=exc.code, param=(*base, *exc.path)) from None
+        except TimeoutError as exc:
+            raise DeadlineExceededError(
+                f"{exc} (DECIDER_DEADLINE_SECONDS)", code="deadline_exceeded", retryable=False
             ) from None
-        except chat_options.GrammarError as exc:
-            raise RequestError(str(exc), code="invalid_response_format", param=param) from None
     top_logprobs = chat.logprobs_count()
-    if grammar is None and top_logprobs is None:
+    if constraint is None and top_logprobs is None:
         return plan
-    return dataclasses.replace(plan, grammar=grammar, top_logprobs=top_logprobs)
+    return dataclasses.replace(plan, constraint=constraint, top_logprobs=top_logprobs)
+
+
+def deadline_of(arrived_at: float | None, deadline_seconds: float) -> float:
+    """The request's deadline on time.monotonic's clock, from its arrival (now if unknown)."""
+    return (arrived_at if arrived_at is not None else time.monotonic()) + deadline_seconds
 
 
 def logprobs_of(plan: ChatPlan, entries: list[chat_options.TokenLogprob]) -> dict[str, Any] | None:

@@ -35,7 +35,7 @@ from decider.schemas.chat import (
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
 from decider.server.answers import decision_response
-from decider.server.chat_parity import check_stop, logprobs_of, with_chat_options
+from decider.server.chat_parity import check_stop, deadline_of, logprobs_of, with_chat_options
 from decider.server.intake import release_intake
 from decider.server.runtime import Engine, ServerRuntime
 
@@ -178,6 +178,8 @@ def _max_tokens(runtime: ServerRuntime, chat: ChatCompletionRequest) -> int | No
 async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Response:
     engine = runtime.require_engine()
 
+    deadline = deadline_of(getattr(request.state, "arrived_at", None), runtime.settings.deadline_seconds)
+
     def prepare() -> tuple[ChatCompletionRequest, ChatPlan]:
         chat = parse_chat_request(body)
         check_stop(chat, runtime.settings.max_stop_chars)
@@ -190,8 +192,8 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
             stop=chat.stop_list(),
             seed=chat.seed,
         )
-        # response_format grammar (its limits checked before it is built), logprobs
-        return chat, with_chat_options(engine, chat, plan, runtime.settings.grammar_limits)
+        # response_format constraint (checked, compiled, its first mask: before the deadline), logprobs
+        return chat, with_chat_options(engine, chat, plan, runtime.settings.grammar_limits, deadline=deadline)
 
     chat, plan = await runtime.intake.run(prepare)
     if chat.stream:
