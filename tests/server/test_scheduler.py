@@ -598,3 +598,35 @@ def test_a_question_the_work_could_not_reserve_is_refused_when_planned(mode: str
     planner.n_ctx = 40 + reserved
     work = engine.decision_work(engine.plan_decision(parse_decision_request(body)))
     assert work.states[0].need <= planner.room  # what the work reserves is what the planner checked
+
+
+def test_a_chat_sent_after_a_large_batch_gets_its_first_token_within_a_few_steps() -> None:
+    """A 16-state batch starts its states about two at a time (the start rule). The first-come gate
+    was per work, so a chat sent just after it got its first token only once the batch's last state
+    had started (54 s of a 55 s batch on the real model). A work with started units now yields the
+    next start to a work waiting for its first: the chat starts within a few steps."""
+    engine = FakeEngine(decode_seconds=0.01, token_seconds=0.00002)
+    scheduler = _scheduler(engine, deadline=60.0)
+    states = [f"Ticket {i}: the payout failed again and the customer is upset. " * 6 for i in range(16)]
+    batch_body = {"states": states, "questions": DECISION["questions"]}
+    batch_work = engine.decision_work(engine.plan_batch(parse_batch_request(batch_body)))
+    batch_done: list[float] = []
+    started = time.monotonic()
+    batch = scheduler.submit(_job(60.0), batch_work)
+    batch.add_done_callback(lambda _: batch_done.append(time.monotonic()))
+    deadline = time.monotonic() + 5
+    while not batch_work.started and time.monotonic() < deadline:
+        time.sleep(0.002)
+    first_token: list[float] = []
+    chat_sent = time.monotonic()
+    chat_work = ChatWork(
+        ChatPlan(prompt=[1, 2, 3], max_tokens=3), lambda event: first_token.append(time.monotonic())
+    )
+    chat = scheduler.submit(_job(60.0, kind="chat"), chat_work)
+    assert chat.result(30)[1] in {"stop", "length"}
+    assert len(decision_response(batch.result(30)).results) == 16
+    batch_seconds = batch_done[0] - started
+    waited = first_token[0] - chat_sent
+    assert waited < batch_seconds / 4, (waited, batch_seconds)
+    assert batch_work.started_units == 16
+    scheduler.close()

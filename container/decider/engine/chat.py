@@ -268,6 +268,10 @@ class ChatWork:
         return not self.started
 
     @property
+    def started_units(self) -> int:
+        return 1 if self.started else 0
+
+    @property
     def cells_wanted(self) -> int:
         """Cells its next step takes beyond its reservation: one while it generates."""
         return 1 if self._seq is not None and self._last is not None else 0

@@ -88,6 +88,7 @@ class EngineLoop:
         self._head: list[int] = []
         self._head_ready = False
         self._stalled_since: float | None = None
+        self._last_start: Running | None = None  # whose unit started last (per-unit fairness, `_plan`)
         self._cells_claimed = 0  # what the first unit waiting for cells needs (chats leave it free)
 
     def attach(self, backend: Backend, head_tokens: list[int], budget: CacheBudget, namespace: str) -> None:
@@ -219,11 +220,20 @@ class EngineLoop:
         order = [r for r in self.works if r.work.kind == "chat" and r.started] + [
             r for r in self.works if not (r.work.kind == "chat" and r.started)
         ]
-        waiting_ahead = False  # starts are first come, first served: a large request is never starved
+        # Starts are first come, first served, per unit: a unit refused for want of cells or
+        # sequences closes the gate behind it (a large request is never starved). A unit held back
+        # by the start rule alone does not. And a work that has started units (a batch's states)
+        # lets a work waiting for its first unit take the next start after each of its own: a chat
+        # sent after a 16-state batch gets its first token within a few steps, not after the batch.
+        first_waits = any(not r.started and r.work.wants_start for r in self.works)
+        waiting_ahead = False
         for running in order:
             if step.tokens_left <= 0:
                 break
-            step.starts_allowed = not (waiting_ahead or epoch_full)
+            yields = first_waits and running.started and self._last_start is running
+            step.starts_allowed = not (waiting_ahead or epoch_full or yields)
+            step.refused_for_memory = False
+            units_before = running.work.started_units
             before = len(step.rows)
             try:
                 running.work.plan_step(step)
@@ -232,7 +242,9 @@ class EngineLoop:
                 step.rows = [planned for planned in step.rows if planned.work is not running.work]
                 self._remove(running, internal_error(exc))
                 continue
-            waiting_ahead = waiting_ahead or running.work.wants_start
+            waiting_ahead = waiting_ahead or step.refused_for_memory
+            if running.work.started_units > units_before:
+                self._last_start = running
             progressed = len(step.rows) > before or running.work.finished
             if progressed and running.job.started_at is None:
                 running.job.started_at = now

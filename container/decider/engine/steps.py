@@ -149,6 +149,9 @@ class Step:
     # (set by the scheduler), and what the first unit refused for lack of cells needs (read by it).
     growth_floor: int = 0
     waiting_for_cells: int = 0
+    # Set when a unit could not start for want of cells or sequences (not the gate, not the start
+    # rule): the scheduler closes the first-come gate behind it, so it is not starved.
+    refused_for_memory: bool = False
     caches: Any = None  # the scheduler's kept states and repeats (decider.engine.prefix_cache.Caches)
     # Recurrent and hybrid models: llama.cpp cuts a decode into micro-batches of equal tokens per
     # sequence (split_equal), about one per distinct row length, so the rows of a step share one
@@ -205,8 +208,10 @@ class Step:
         self._reclaim_cells(cells)
         if self.cells_left < cells:
             self.waiting_for_cells = self.waiting_for_cells or cells
+            self.refused_for_memory = True
             return False
         if not self.has_sequences(sequences):
+            self.refused_for_memory = True
             return False
         self.cells_left -= cells
         return True

@@ -80,6 +80,11 @@ class Work(Protocol):
         ...
 
     @property
+    def started_units(self) -> int:
+        """Its units (states, a chat) that have started (the scheduler's per-unit fairness)."""
+        ...
+
+    @property
     def finished(self) -> bool: ...
 
     def footprint(self) -> Footprint: ...
@@ -231,6 +236,10 @@ class DecisionWork:
     @property
     def wants_start(self) -> bool:
         return any(not state.started and state.open_items for state in self.states)
+
+    @property
+    def started_units(self) -> int:
+        return sum(1 for state in self.states if state.started)
 
     def footprint(self) -> Footprint:
         running = [state for state in self.states if state.started and state.open_items]
