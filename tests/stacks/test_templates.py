@@ -484,7 +484,8 @@ def test_gpu_endpoint_config_sets_the_driver_ami_and_no_kms_or_volume_size(synth
     assert "KmsKeyId" not in config and "EndpointConfigName" not in config
     (variant,) = config["ProductionVariants"]
     assert variant["InstanceType"] == "ml.g6.xlarge"
-    assert variant["InferenceAmiVersion"] == "al2-ami-sagemaker-inference-gpu-3-1"  # the CUDA 12.4 image's driver
+    # the CUDA 12.4 image's driver
+    assert variant["InferenceAmiVersion"] == "al2-ami-sagemaker-inference-gpu-3-1"
     assert "VolumeSizeInGB" not in variant  # NVMe instance storage: SageMaker refuses it
     assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 900
 
