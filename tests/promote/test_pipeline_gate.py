@@ -172,6 +172,7 @@ def test_promote_apply_gate_and_rollback(aws, standin: RunningStandin, tmp_path:
     third = run_pipeline_step(tmp_path, IMAGE_A, disagreeing)
     assert third.returncode == 1, third.stdout + third.stderr
     out = third.stdout
+    print(out)  # what a failing gate shows (pytest -s)
     assert "FAIL" in out and "accuracy all" in out
     assert "rolling back: .venv/bin/promote rollback --endpoint decider-team" in out
     endpoint = aws.endpoint(ENDPOINT)
