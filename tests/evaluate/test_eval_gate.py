@@ -244,3 +244,12 @@ def test_thresholds_and_check_on_real_runs(fake_server, tmp_path, capsys):  # no
     assert "first run" in capsys.readouterr().out
     meta, rows = load_run_or_baseline(accepted)
     assert meta.model == "fake@3.0" and len(rows) == 180 and all(r.answer is None for r in rows)
+
+
+def test_noise_alone_does_not_fail_even_with_zero_bounds():
+    zero = Bounds(bootstrap=1000, max_accuracy_drop=0, max_ece_rise=0, max_p95_increase=0, min_group=10)
+    failed = 0
+    for s in range(40):  # 40 pairs of independent samples of the same (calibrated) model
+        a, b = rows_with_confidence(150, seed=100 + s), rows_with_confidence(150, seed=200 + s)
+        failed += check_runs("a", (meta_for(a, seed=s), a), "b", (meta_for(b, seed=s + 1), b), zero).failed
+    assert failed <= 2  # at most 5 % by construction; 0 of 40 when this was written
