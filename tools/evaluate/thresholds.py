@@ -195,7 +195,7 @@ def group_threshold(
     note = None
     if cut is None:
         note = f"no cut reaches accuracy {target:g} on {n} labelled answers"
-    elif reachable < 0.95:
+    elif bootstrap and reachable < 0.95:
         note = f"the target is reached in only {reachable:.0%} of bootstrap resamples: gather more labels"
     return GroupThreshold(
         group=group,
