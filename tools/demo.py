@@ -3,7 +3,8 @@
 1. start the real server (`serve`, as the image runs it) on the bundled SmolLM2-135M model;
 2. decide one sample request and print its typed answers;
 3. evaluate a JevBench subset against it (`decide-eval run`, sequential, as published);
-4. print the report, a calibration fit, and where the HTML report is.
+4. print the report, a calibration fit, the confidence cut-points for 95 % accuracy (`decide-eval
+   thresholds`), and where the HTML report is.
 
 The server is always stopped on exit, on Ctrl-C and on SIGTERM. The JevBench data (Apache-2.0,
 Copyright 2026 Chen Feng; not affiliated with TypeSafe AI) comes from the `jevbench` package and the
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             return code
         console.rule("4. calibration (temperature per question type, out-of-fold)")
         decide_eval.main(["calibrate", str(args.out), "--min-samples", "20"])
+        console.rule("5. thresholds (confidence cut-points for 95 % accuracy, out-of-fold)")
+        decide_eval.main(["thresholds", str(args.out), "--target-accuracy", "0.95"])
         report = (args.out / "report.html").resolve()
         console.rule("done")
         console.print(f"HTML report: {report}\n             {report.as_uri()}", soft_wrap=True)

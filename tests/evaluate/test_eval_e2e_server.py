@@ -80,3 +80,11 @@ def test_cli_against_the_real_local_server(jevbench_cases, jevbench_gold, tmp_pa
     (refused,) = [r for r in rows if r.status == "error"]
     assert refused.http_status == 422 and refused.error_code and refused.correct is None
     assert (out / "report.html").is_file()
+
+    # cut-points for the real run: they name the served model and prompt version they belong to
+    assert main(["thresholds", str(out), "--target-accuracy", "0.95", "--min-accepted", "1"]) == 0
+    saved = json.loads((out / "thresholds.json").read_text())
+    assert saved["model"] == meta.model and saved["prompt_version"] == "decider-options-v1"
+    assert saved["confidence"] == "normalized-peak-v1"
+    assert {name: g["labelled"] for name, g in saved["types"].items()} == {"noul": 2, "choice": 2, "score": 2}
+    assert "coverage-accuracy curve" in (out / "report.html").read_text()

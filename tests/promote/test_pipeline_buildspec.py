@@ -36,8 +36,25 @@ def test_stages_run_in_order():
     positions = [text.index(step) for step in steps]
     assert positions == sorted(positions)
     function = text[text.index("promote_variant() {") :]
-    inner = ["promote plan", "npx cdk deploy", "promote smoke"]
+    inner = ["promote plan", "npx cdk deploy", "promote smoke", "buildspec/quality-gate.sh"]
     assert [function.index(s) for s in inner] == sorted(function.index(s) for s in inner)
+    # an endpoint outside CDK: promote apply, then the same gate, which rolls back with promote rollback
+    apply = text[text.index('if [[ -n "${APPLY_ENDPOINT:-}" ]]') :]
+    assert apply.index("bin/promote apply") < apply.index("quality-gate.sh") < apply.index("promote rollback")
+
+
+def test_the_quality_gate_uses_existing_decide_eval_subcommands_and_flags():
+    from tools.evaluate.cli import build_parser as eval_parser
+
+    gate = (PIPELINE.parent / "quality-gate.sh").read_text()
+    parser = eval_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    used = [line.split('bin/decide-eval" ')[1] for line in gate.splitlines() if 'bin/decide-eval" ' in line]
+    assert [u.split()[0] for u in used] == ["run", "check"]
+    for line in used:
+        sub = commands[line.split()[0]]
+        flags = {opt for action in sub._actions for opt in action.option_strings}
+        assert {w for w in line.split() if w.startswith("--")} <= flags, line
 
 
 def test_pipeline_uses_existing_subcommands_and_flags():

@@ -5,8 +5,12 @@
     decide-eval report DIR
     decide-eval compare DIR_A DIR_B [--out DIR]
     decide-eval calibrate DIR [--folds K] [--variant cpu|gpu]
+    decide-eval thresholds DIR [--target-accuracy 0.95] [--min-key-labels N]
+    decide-eval check DIR --baseline DIR_OR_FILE [--max-accuracy-drop A] [--max-ece-rise E]
+                      [--max-p95-increase R] [--accept FILE]
 
-Exit status: 0 done; 1 the run stopped early (target unreachable); 2 bad input; 130 interrupted.
+Exit status: 0 done (check: passed); 1 the run stopped early (target unreachable), or check failed;
+2 bad input; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -27,12 +31,27 @@ from rich.progress import (
 
 from tools.evaluate.calibrate import calibrate_rows, print_calibration, write_calibration
 from tools.evaluate.cases import CaseFileError, default_gold_path, load_items, select_items
+from tools.evaluate.check import (
+    Bounds,
+    check_runs,
+    load_run_or_baseline,
+    print_check,
+    save_baseline,
+    write_check,
+)
 from tools.evaluate.compare import compare_runs, print_comparison, write_comparison
 from tools.evaluate.report import print_summary, write_html_report
 from tools.evaluate.results import RESULTS_FILE, RunDirError, load_run
 from tools.evaluate.runner import new_meta, run_evaluation
 from tools.evaluate.summary import headline, summarize
 from tools.evaluate.targets import Reply, TargetError, make_target
+from tools.evaluate.thresholds import (
+    THRESHOLDS_FILE,
+    compute_thresholds,
+    load_thresholds,
+    print_thresholds,
+    write_thresholds,
+)
 
 EXIT_OK, EXIT_ABORTED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -47,6 +66,20 @@ def _positive(text: str) -> int:
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError("must be in (0, 1]")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
     return value
 
@@ -141,6 +174,75 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--variant", choices=["cpu", "gpu"], default="cpu", help="stack the CDK hint targets"
     )
+
+    thresholds = sub.add_parser(
+        "thresholds", help="confidence cut-points meeting a target accuracy, per type and key (out-of-fold)"
+    )
+    thresholds.add_argument("run_dir", type=Path)
+    thresholds.add_argument("--target-accuracy", type=_fraction, default=0.95)
+    thresholds.add_argument(
+        "--min-accepted", type=_positive, default=10, help="answers a cut must keep (default 10)"
+    )
+    thresholds.add_argument(
+        "--min-key-labels",
+        type=_positive,
+        default=50,
+        help="labelled answers a question key needs for a cut of its own (default 50)",
+    )
+    thresholds.add_argument("--folds", type=_positive, default=5)
+    thresholds.add_argument("--bootstrap", type=_non_negative, default=1000, help="resamples (default 1000)")
+    thresholds.add_argument("--seed", type=int, default=0)
+
+    check = sub.add_parser(
+        "check", help="gate: exit 1 when accuracy, ECE or p95 latency moved past bounds beyond noise"
+    )
+    check.add_argument("run_dir", type=Path)
+    check.add_argument(
+        "--baseline", required=True, type=Path, help="the accepted run: a run directory or a baseline file"
+    )
+    defaults = Bounds()
+    check.add_argument(
+        "--max-accuracy-drop",
+        type=_non_negative_float,
+        default=defaults.max_accuracy_drop,
+        help=f"absolute (default {defaults.max_accuracy_drop:g})",
+    )
+    check.add_argument(
+        "--max-ece-rise",
+        type=_non_negative_float,
+        default=defaults.max_ece_rise,
+        help=f"absolute (default {defaults.max_ece_rise:g})",
+    )
+    check.add_argument(
+        "--max-p95-increase",
+        type=_non_negative_float,
+        default=defaults.max_p95_increase,
+        help=f"relative (default {defaults.max_p95_increase:g} = +{defaults.max_p95_increase:.0%})",
+    )
+    check.add_argument(
+        "--confidence",
+        type=_fraction,
+        default=defaults.confidence,
+        help="that noise alone does not fail the check, all comparisons together (default 0.95)",
+    )
+    check.add_argument(
+        "--min-group",
+        type=_positive,
+        default=defaults.min_group,
+        help=f"scored answers (requests, for latency) a group needs in both runs to be gated "
+        f"(default {defaults.min_group})",
+    )
+    check.add_argument("--bootstrap", type=_positive, default=defaults.bootstrap)
+    check.add_argument("--seed", type=int, default=defaults.seed)
+    check.add_argument(
+        "--accept", type=Path, help="when the check passes, write the run here as the next baseline file"
+    )
+    check.add_argument(
+        "--allow-missing-baseline",
+        action="store_true",
+        help="a --baseline path that does not exist yet passes (the first run of a pipeline)",
+    )
+    check.add_argument("--all", action="store_true", help="show every domain row")
     return parser
 
 
@@ -150,6 +252,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             f"[red]error:[/] {args.out} already holds a run (use --force to overwrite)"
         )
         return EXIT_USAGE
+    (args.out / THRESHOLDS_FILE).unlink(missing_ok=True)  # an overwritten run's cut-points are not this one's
     gold = args.gold
     if gold is None and not args.no_gold:
         gold = default_gold_path(args.cases)
@@ -225,7 +328,8 @@ def cmd_report(args: argparse.Namespace, console: Console) -> int:
     meta, rows = load_run(args.run_dir)
     summary = summarize(meta, rows)
     print_summary(summary, console)
-    console.print(f"report: {write_html_report(args.run_dir, meta, summary)}")
+    report = write_html_report(args.run_dir, meta, summary, load_thresholds(args.run_dir))
+    console.print(f"report: {report}")
     print(headline(summary), flush=True)
     return EXIT_OK
 
@@ -253,12 +357,66 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def cmd_thresholds(args: argparse.Namespace, console: Console) -> int:
+    meta, rows = load_run(args.run_dir)
+    thresholds = compute_thresholds(
+        str(args.run_dir),
+        meta,
+        rows,
+        target=args.target_accuracy,
+        min_accepted=args.min_accepted,
+        min_key_labels=args.min_key_labels,
+        folds=args.folds,
+        bootstrap=args.bootstrap,
+        seed=args.seed,
+    )
+    print_thresholds(thresholds, console)
+    console.print(f"written: {write_thresholds(args.run_dir, thresholds)}")
+    report = write_html_report(args.run_dir, meta, summarize(meta, rows), thresholds)
+    console.print(f"report:  {report} (coverage-accuracy curve)")
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace, console: Console) -> int:
+    run = load_run(args.run_dir)
+    if not args.baseline.exists() and args.allow_missing_baseline:
+        console.print(f"no baseline at {args.baseline}: nothing to compare with, the run passes (first run)")
+        if args.accept:
+            console.print(f"accepted as the baseline: {save_baseline(args.accept, *run)}")
+        return EXIT_OK
+    baseline = load_run_or_baseline(args.baseline)
+    bounds = Bounds(
+        max_accuracy_drop=args.max_accuracy_drop,
+        max_ece_rise=args.max_ece_rise,
+        max_p95_increase=args.max_p95_increase,
+        confidence=args.confidence,
+        min_group=args.min_group,
+        bootstrap=args.bootstrap,
+        seed=args.seed,
+    )
+    result = check_runs(str(args.run_dir), run, str(args.baseline), baseline, bounds)
+    print_check(result, console, all_rows=args.all)
+    write_check(args.run_dir, result)
+    if result.failed:
+        return EXIT_ABORTED
+    if args.accept:
+        console.print(f"accepted as the baseline: {save_baseline(args.accept, *run)}")
+    return EXIT_OK
+
+
 def make_console() -> Console:
     """Rich console for stdout; 120 columns when piped (rich's default of 80 squeezes the tables)."""
     return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 
 
-COMMANDS = {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "calibrate": cmd_calibrate}
+COMMANDS = {
+    "run": cmd_run,
+    "report": cmd_report,
+    "compare": cmd_compare,
+    "calibrate": cmd_calibrate,
+    "thresholds": cmd_thresholds,
+    "check": cmd_check,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,11 +12,13 @@ from rich.table import Table
 
 from tools.evaluate.results import RunMeta
 from tools.evaluate.summary import GroupScore, Summary, fmt
+from tools.evaluate.thresholds import THRESHOLD_COLUMNS, Thresholds, threshold_cells
 
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
 LATENCY_PNG = "latency.png"
 RELIABILITY_PNG = "reliability.png"
+COVERAGE_PNG = "coverage.png"
 JEVBENCH_NOTICE = (
     "JevBench data: Apache-2.0, Copyright 2026 Chen Feng (JevBench/jevbench); "
     "not affiliated with or endorsed by TypeSafe AI."
@@ -189,6 +191,55 @@ def reliability_png(bins: list[dict], title: str) -> bytes:
     return _figure_png(draw)
 
 
+def coverage_png(thresholds: Thresholds) -> bytes:
+    """Coverage-accuracy curve per question type, the target as a line and each chosen cut as a dot."""
+
+    def draw(figure) -> None:
+        axis = figure.subplots(1, 1)
+        for name, g in thresholds.types.items():
+            if not g.curve:
+                continue
+            coverage, accuracy = [c[0] for c in g.curve], [c[1] for c in g.curve]
+            (line,) = axis.step(coverage, accuracy, where="post", label=f"{name} (n={g.labelled})")
+            if g.threshold is not None:
+                axis.plot([g.coverage], [g.accuracy_above], "o", color=line.get_color())
+                axis.annotate(
+                    f"cut {g.threshold:.3f}",
+                    (g.coverage, g.accuracy_above),
+                    textcoords="offset points",
+                    xytext=(4, -12),
+                    fontsize="small",
+                )
+        target = thresholds.target_accuracy
+        axis.axhline(target, linestyle="--", color="grey", label=f"target {target:g}")
+        axis.set(
+            title=f"Coverage-accuracy ({thresholds.confidence} confidence, answers at or above each cut)",
+            xlabel="coverage (share of answers accepted)",
+            ylabel="accuracy of the accepted",
+            xlim=(0, 1.02),
+            ylim=(0, 1.02),
+        )
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small", loc="lower left")
+
+    return _figure_png(draw)
+
+
+def _thresholds_html(run_dir: Path, thresholds: Thresholds) -> str:
+    png = coverage_png(thresholds)
+    (run_dir / COVERAGE_PNG).write_bytes(png)
+    groups = [*thresholds.types.values(), *thresholds.keys.values()]
+    return (
+        f"<h2>Confidence thresholds (target accuracy {thresholds.target_accuracy:g})</h2>"
+        f"<p>model <code>{html.escape(thresholds.model or 'n/a')}</code>, prompt "
+        f"<code>{html.escape(thresholds.prompt_version or 'n/a')}</code>, confidence "
+        f"<code>{html.escape(thresholds.confidence)}</code>; out-of-fold: {thresholds.folds} folds, "
+        f"intervals: {thresholds.bootstrap} bootstrap resamples (thresholds.json)</p>"
+        + _html_table(list(THRESHOLD_COLUMNS), [threshold_cells(g) for g in groups])
+        + _img(png, "coverage-accuracy curve")
+    )
+
+
 def _img(png: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
@@ -203,8 +254,13 @@ def _groups_html(groups: dict[str, GroupScore]) -> str:
     return _html_table(["group", *SCORE_COLUMNS], [_score_cells(n, g) for n, g in groups.items()])
 
 
-def write_html_report(run_dir: Path, meta: RunMeta, summary: Summary) -> Path:
-    """Write report.html (plots embedded, also saved as PNG files next to it) and summary.json."""
+def write_html_report(
+    run_dir: Path, meta: RunMeta, summary: Summary, thresholds: Thresholds | None = None
+) -> Path:
+    """Write report.html (plots embedded, also saved as PNG files next to it) and summary.json.
+
+    With `thresholds` (from `decide-eval thresholds`), the report also shows the cut-points and the
+    coverage-accuracy curve."""
     (run_dir / SUMMARY_FILE).write_text(summary.model_dump_json(indent=2) + "\n", encoding="utf-8")
     label = summary.model or meta.target
     latency = latency_png({label: [r.latency_s for r in meta.requests]})
@@ -234,6 +290,7 @@ def write_html_report(run_dir: Path, meta: RunMeta, summary: Summary) -> Path:
         _groups_html(summary.by_domain),
         "<h3>Reliability diagram (10 equal-width bins, top-label)</h3>",
         _img(reliability, "reliability diagram"),
+        _thresholds_html(run_dir, thresholds) if thresholds is not None else "",
         "<h2>Errors by code</h2>",
         _html_table(["code", "requests", "questions"], _error_rows(summary))
         if summary.errors
