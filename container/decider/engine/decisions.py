@@ -407,10 +407,18 @@ class DecisionPlanner:
             for n, (order, labels) in enumerate(shown_for[question.key]):
                 options = self._shown(question, order, labels)
                 tokens = self.builder.tail(prompt, question.instructions, options)
-                depth = max(len(label.tokens) for label in labels)
-                if before + len(tokens) + depth > self.room:  # checked as each is tokenized
+                trie = LabelTrie.of(labels)
+                # What the work reserves for this question beside its state's prefix, at the least (a
+                # streaming state: the prefix and its largest question; decider.engine.work): the tail
+                # and every label position, and in fresh mode the head again (each branch decodes its
+                # whole prompt). Checked as each is tokenized, so a request that cannot run is refused
+                # here, before admission, not after it has waited for everything else to drain.
+                cells = (head if mode == "fresh" else 0) + before + len(tokens) + len(trie.nodes) - 1
+                if cells > self.room:
+                    again = ", the head again in fresh mode" if mode == "fresh" else ""
                     raise RequestError(
-                        f"The prompt for question {question.key!r} is {head + before + len(tokens)} tokens; "
+                        f"The prompt for question {question.key!r} is {head + before + len(tokens)} tokens "
+                        f"and needs {cells} cells beside the cached head (its label positions{again}); "
                         f"the context holds {self.n_ctx} ({self.settings.env_name('n_ctx')}). "
                         "It is never truncated.",
                         code="context_length_exceeded",
@@ -421,7 +429,7 @@ class DecisionPlanner:
                     question=question,
                     order=order,
                     labels=tuple(labels),
-                    trie=LabelTrie.of(labels),
+                    trie=trie,
                     tokens=tokens,
                     # only the first order's text is hashed (prompt_sha256): the others are not kept
                     text=self.builder.text(prompt, question.instructions, options)
