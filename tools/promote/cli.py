@@ -353,7 +353,7 @@ def cmd_prune(clients: AwsClients, args: argparse.Namespace) -> int:
             f"endpoint {args.endpoint} does not exist: pruning the models and configs it left "
             "(a deleted stack retains them)"
         )
-    plan = plan_prune(clients.sagemaker, args.endpoint, endpoint, args.keep)
+    plan = plan_prune(clients.sagemaker, args.endpoint, endpoint, args.keep, clients.cloudformation)
     render.show_prune(console, plan, dry_run=args.dry_run)
     if not args.dry_run:
         execute_prune(clients.sagemaker, plan)
