@@ -111,6 +111,40 @@ def inference_ami_for(cuda: str) -> str:
 
 
 CUDA_IMAGE_TOOLKIT = image_cuda_version()
+
+# TransformAmiVersion values for Batch Transform (TransformResources, API reference:
+# https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TransformResources.html lists only
+# al2-ami-sagemaker-batch-gpu-470 and al2-ami-sagemaker-batch-gpu-535), with the newest CUDA each
+# driver runs natively (470 = CUDA 11.4, 535 = CUDA 12.2; R535's "maximum CUDA major version supported
+# without forward compatibility package" is CUDA 12,
+# https://docs.nvidia.com/datacenter/tesla/drivers/supported-drivers-and-cuda-toolkit-versions.html).
+TRANSFORM_AMI_CUDA = {
+    "al2-ami-sagemaker-batch-gpu-470": "11.4",
+    "al2-ami-sagemaker-batch-gpu-535": "12.2",
+}
+
+
+def transform_ami_for(cuda: str) -> str:
+    """The Batch Transform AMI for an image built with CUDA `cuda`: the newest driver of the image's
+    CUDA major. No batch AMI has a driver as new as CUDA 12.4's (550), so the CUDA 12.4 image runs on
+    driver 535 the way docs/deploy.md accepts for the endpoint's al2-ami-sagemaker-inference-gpu-2:
+    CUDA minor version compatibility (a 12.x runtime on a 12.x driver; the image carries SASS for its
+    GPUs, so no newer PTX is JIT-compiled) and, on top, the image's cuda-compat-12-4 forward
+    compatibility libraries, which entrypoint.sh puts on LD_LIBRARY_PATH when the driver (535) is
+    older than the compat library (550); forward compatibility is for data center GPUs, which every
+    GPU type Batch Transform offers is. Another CUDA major (the 470 AMI under a CUDA 12 image, any
+    batch AMI under a CUDA 13 image) is refused: decide-batch never submits a job that cannot load."""
+    wanted = _cuda(cuda)
+    fits = [(_cuda(c), ami) for ami, c in TRANSFORM_AMI_CUDA.items() if _cuda(c)[0] == wanted[0]]
+    if not fits:
+        offered = ", ".join(f"{ami} (CUDA {c})" for ami, c in TRANSFORM_AMI_CUDA.items())
+        raise ValueError(
+            f"no Batch Transform AMI has a driver of the CUDA image's major (CUDA {cuda}); "
+            f"TransformAmiVersion offers only {offered}"
+        )
+    return max(fits)[1]
+
+
 # Build arguments the app sets itself (per variant / from the instance types); never user-set.
 RESERVED_BUILD_ARGS = frozenset({"VARIANT", "CUDA_ARCHITECTURES"})
 
