@@ -608,6 +608,51 @@ class VariantConfig(_Strict):
         return 2 * fleet
 
     @property
+    def fleet_ceiling(self) -> tuple[int, str]:
+        """The most instances the variant can run when an update starts, and the key that sets it."""
+        if self.autoscaling:
+            return self.max_capacity, "max_capacity"
+        return self.initial_instance_count, "initial_instance_count"
+
+    def blue_green_waits_s(self, fleet: int) -> int:
+        """The waiting a blue/green update of `fleet` instances is told to do: WaitIntervalInSeconds
+        after the canary (CANARY) or after every step (LINEAR: ceil(fleet / step) steps), once after
+        the full shift (ALL_AT_ONCE), plus TerminationWaitInSeconds."""
+        policy = self.deployment
+        routing = self.traffic_routing
+        steps = math.ceil(fleet / policy.step_instance_count) if routing == "LINEAR" else 1
+        return steps * policy.wait_interval_s + policy.termination_wait_s
+
+    def _blue_green_problems(self) -> list[str]:
+        """What UpdateEndpoint refuses in the deployment policy, caught at synth rather than after the
+        image build. TrafficRoutingConfig: LinearStepSize "must be 10-50% of the variant's total instance
+        count" (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TrafficRoutingConfig.html;
+        the 50 % side is checked against floor_capacity above). BlueGreenUpdatePolicy:
+        MaximumExecutionTimeoutInSeconds "should be larger than the total waiting time specified in
+        TerminationWaitInSeconds and WaitIntervalInSeconds"
+        (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_BlueGreenUpdatePolicy.html)."""
+        problems = []
+        policy = self.deployment
+        fleet, fleet_key = self.fleet_ceiling
+        if self.traffic_routing == "LINEAR" and policy.step_instance_count * 10 < fleet:
+            problems.append(
+                f"deployment.step_instance_count: {policy.step_instance_count} is below 10 % of {fleet_key} "
+                f"({fleet}): SageMaker rejects a LINEAR step under 10 % of the variant's instance count "
+                f"(LinearStepSize must be 10-50 %). Use at least {math.ceil(fleet / 10)}, or CANARY"
+            )
+        waits = self.blue_green_waits_s(fleet)
+        if policy.maximum_execution_timeout_s <= waits:
+            problems.append(
+                f"deployment.maximum_execution_timeout_s: {policy.maximum_execution_timeout_s} s is not "
+                f"larger than the update's waits ({waits} s: wait_interval_s {policy.wait_interval_s} x "
+                f"{(waits - policy.termination_wait_s) // max(policy.wait_interval_s, 1)} step(s) at "
+                f"{fleet_key} {fleet}, plus termination_wait_s {policy.termination_wait_s}); SageMaker "
+                "needs MaximumExecutionTimeoutInSeconds above them, and the new fleet's launch on top. "
+                "Raise it (up to 28800) or shorten the waits"
+            )
+        return problems
+
+    @property
     def floor_capacity(self) -> tuple[int, str]:
         """The fewest instances the variant can run when an update starts, and the key that sets it:
         autoscaling's minimum (an async endpoint's may be 0), else the fixed instance count."""
@@ -828,6 +873,7 @@ class VariantConfig(_Strict):
                 f"{floor_key} or use deployment.traffic_routing=ALL_AT_ONCE (still blue/green with alarm "
                 "rollback)"
             )
+        problems += self._blue_green_problems()
         load = self.deployment.synthetic_load_per_minute
         if 0 < load < self.alarms.error_rate_min_invocations:
             problems.append(
