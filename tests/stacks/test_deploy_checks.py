@@ -815,3 +815,24 @@ def test_the_json_call_sends_the_body_as_given_signed_for_sagemaker(aws):
     client.http = FakeHttp(400, {"__type": "com.amazon.coral.validate#ValidationException", "message": "bad"})
     with pytest.raises(ClientError, match=r"ValidationException.*bad"):
         client.call("CreateEndpointConfig", body)
+
+
+@pytest.mark.parametrize("status", ["Updating", "SystemUpdating"])
+def test_the_check_waits_while_the_endpoint_updates_on_the_previous_config(aws, status):
+    """Issue 33 §5: an endpoint still Updating on the previous config is not judged (nor parked, which
+    UpdateEndpoint would refuse) at once: the check waits, then judges what it settles in."""
+    old = {**CHECK_PROPS, "EndpointConfigName": PREVIOUS_CONFIG}
+    started = check_update(aws, old, NOW)
+    endpoint(aws, PREVIOUS_CONFIG, status=status)
+    soon = NOW + timedelta(minutes=3)
+    assert codebuild_job.is_complete(started, clients=aws["clients"], now=soon) == {"IsComplete": False}
+    # it settles on this deploy's config: the smoke calls decide
+    endpoint(aws, "DeciderConfig-NEW")
+    invocations(aws, DECISION_OK, CHAT_OK)
+    done = codebuild_job.is_complete(started, clients=aws["clients"], now=soon + timedelta(minutes=1))
+    assert done["IsComplete"] is True
+    # still there after the wait: it fails, saying so
+    endpoint(aws, PREVIOUS_CONFIG, status=status)
+    late = NOW + post_deploy_check.UPDATING_WAIT + timedelta(seconds=1)
+    with pytest.raises(post_deploy_check.PostDeployCheckError, match=status):
+        codebuild_job.is_complete(started, clients=aws["clients"], now=late)
