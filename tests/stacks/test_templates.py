@@ -224,6 +224,7 @@ def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
         "ecr:PutImage",  # … and put it again under the new tag
         "ssm:GetParameter",  # the deployed-image record
         "cloudformation:DescribeStacks",  # the post-deploy check skips rollbacks
+        "sagemaker:DescribeEndpoint",  # the update guard counts the live fleet's blue/green peak
         # a rolled-back or deleted image request stops the build it started (by its wait handle)
         "codebuild:ListBuildsForProject",
         "codebuild:BatchGetBuilds",
@@ -484,7 +485,8 @@ def test_gpu_endpoint_config_sets_the_driver_ami_and_no_kms_or_volume_size(synth
     assert "KmsKeyId" not in config and "EndpointConfigName" not in config
     (variant,) = config["ProductionVariants"]
     assert variant["InstanceType"] == "ml.g6.xlarge"
-    assert variant["InferenceAmiVersion"] == "al2-ami-sagemaker-inference-gpu-3-1"  # the CUDA 12.4 image's driver
+    # the CUDA 12.4 image's driver
+    assert variant["InferenceAmiVersion"] == "al2-ami-sagemaker-inference-gpu-3-1"
     assert "VolumeSizeInGB" not in variant  # NVMe instance storage: SageMaker refuses it
     assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 900
 
