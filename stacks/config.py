@@ -111,6 +111,40 @@ def inference_ami_for(cuda: str) -> str:
 
 
 CUDA_IMAGE_TOOLKIT = image_cuda_version()
+
+# TransformAmiVersion values for Batch Transform (TransformResources, API reference:
+# https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TransformResources.html lists only
+# al2-ami-sagemaker-batch-gpu-470 and al2-ami-sagemaker-batch-gpu-535), with the newest CUDA each
+# driver runs natively (470 = CUDA 11.4, 535 = CUDA 12.2; R535's "maximum CUDA major version supported
+# without forward compatibility package" is CUDA 12,
+# https://docs.nvidia.com/datacenter/tesla/drivers/supported-drivers-and-cuda-toolkit-versions.html).
+TRANSFORM_AMI_CUDA = {
+    "al2-ami-sagemaker-batch-gpu-470": "11.4",
+    "al2-ami-sagemaker-batch-gpu-535": "12.2",
+}
+
+
+def transform_ami_for(cuda: str) -> str:
+    """The Batch Transform AMI for an image built with CUDA `cuda`: the newest driver of the image's
+    CUDA major. No batch AMI has a driver as new as CUDA 12.4's (550), so the CUDA 12.4 image runs on
+    driver 535 the way docs/deploy.md accepts for the endpoint's al2-ami-sagemaker-inference-gpu-2:
+    CUDA minor version compatibility (a 12.x runtime on a 12.x driver; the image carries SASS for its
+    GPUs, so no newer PTX is JIT-compiled) and, on top, the image's cuda-compat-12-4 forward
+    compatibility libraries, which entrypoint.sh puts on LD_LIBRARY_PATH when the driver (535) is
+    older than the compat library (550); forward compatibility is for data center GPUs, which every
+    GPU type Batch Transform offers is. Another CUDA major (the 470 AMI under a CUDA 12 image, any
+    batch AMI under a CUDA 13 image) is refused: decide-batch never submits a job that cannot load."""
+    wanted = _cuda(cuda)
+    fits = [(_cuda(c), ami) for ami, c in TRANSFORM_AMI_CUDA.items() if _cuda(c)[0] == wanted[0]]
+    if not fits:
+        offered = ", ".join(f"{ami} (CUDA {c})" for ami, c in TRANSFORM_AMI_CUDA.items())
+        raise ValueError(
+            f"no Batch Transform AMI has a driver of the CUDA image's major (CUDA {cuda}); "
+            f"TransformAmiVersion offers only {offered}"
+        )
+    return max(fits)[1]
+
+
 # Build arguments the app sets itself (per variant / from the instance types); never user-set.
 RESERVED_BUILD_ARGS = frozenset({"VARIANT", "CUDA_ARCHITECTURES"})
 
@@ -574,6 +608,51 @@ class VariantConfig(_Strict):
         return 2 * fleet
 
     @property
+    def fleet_ceiling(self) -> tuple[int, str]:
+        """The most instances the variant can run when an update starts, and the key that sets it."""
+        if self.autoscaling:
+            return self.max_capacity, "max_capacity"
+        return self.initial_instance_count, "initial_instance_count"
+
+    def blue_green_waits_s(self, fleet: int) -> int:
+        """The waiting a blue/green update of `fleet` instances is told to do: WaitIntervalInSeconds
+        after the canary (CANARY) or after every step (LINEAR: ceil(fleet / step) steps), once after
+        the full shift (ALL_AT_ONCE), plus TerminationWaitInSeconds."""
+        policy = self.deployment
+        routing = self.traffic_routing
+        steps = math.ceil(fleet / policy.step_instance_count) if routing == "LINEAR" else 1
+        return steps * policy.wait_interval_s + policy.termination_wait_s
+
+    def _blue_green_problems(self) -> list[str]:
+        """What UpdateEndpoint refuses in the deployment policy, caught at synth rather than after the
+        image build. TrafficRoutingConfig: LinearStepSize "must be 10-50% of the variant's total instance
+        count" (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_TrafficRoutingConfig.html;
+        the 50 % side is checked against floor_capacity above). BlueGreenUpdatePolicy:
+        MaximumExecutionTimeoutInSeconds "should be larger than the total waiting time specified in
+        TerminationWaitInSeconds and WaitIntervalInSeconds"
+        (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_BlueGreenUpdatePolicy.html)."""
+        problems = []
+        policy = self.deployment
+        fleet, fleet_key = self.fleet_ceiling
+        if self.traffic_routing == "LINEAR" and policy.step_instance_count * 10 < fleet:
+            problems.append(
+                f"deployment.step_instance_count: {policy.step_instance_count} is below 10 % of {fleet_key} "
+                f"({fleet}): SageMaker rejects a LINEAR step under 10 % of the variant's instance count "
+                f"(LinearStepSize must be 10-50 %). Use at least {math.ceil(fleet / 10)}, or CANARY"
+            )
+        waits = self.blue_green_waits_s(fleet)
+        if policy.maximum_execution_timeout_s <= waits:
+            problems.append(
+                f"deployment.maximum_execution_timeout_s: {policy.maximum_execution_timeout_s} s is not "
+                f"larger than the update's waits ({waits} s: wait_interval_s {policy.wait_interval_s} x "
+                f"{(waits - policy.termination_wait_s) // max(policy.wait_interval_s, 1)} step(s) at "
+                f"{fleet_key} {fleet}, plus termination_wait_s {policy.termination_wait_s}); SageMaker "
+                "needs MaximumExecutionTimeoutInSeconds above them, and the new fleet's launch on top. "
+                "Raise it (up to 28800) or shorten the waits"
+            )
+        return problems
+
+    @property
     def floor_capacity(self) -> tuple[int, str]:
         """The fewest instances the variant can run when an update starts, and the key that sets it:
         autoscaling's minimum (an async endpoint's may be 0), else the fixed instance count."""
@@ -794,6 +873,7 @@ class VariantConfig(_Strict):
                 f"{floor_key} or use deployment.traffic_routing=ALL_AT_ONCE (still blue/green with alarm "
                 "rollback)"
             )
+        problems += self._blue_green_problems()
         load = self.deployment.synthetic_load_per_minute
         if 0 < load < self.alarms.error_rate_min_invocations:
             problems.append(

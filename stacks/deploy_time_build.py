@@ -266,10 +266,26 @@ class BakeLoad(Construct):
         )
 
 
+def guard_fingerprint(variant: VariantConfig, model: object, image: str) -> str:
+    """What the update guard is re-run on: the variant's whole configuration, the model and the image
+    it deploys (the build's content tag, or the pinned URI), hashed at synth time. Any of them changing
+    is what changes the endpoint config, so every endpoint update still runs the guard, and none of it
+    waits for a deploy-time resource: the guard runs before the image build and the model staging."""
+    dump = getattr(model, "model_dump", None)
+    inputs = {
+        "variant": variant.model_dump(mode="json"),
+        "model": dump(mode="json") if dump else str(model),
+        "image": image,
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
 class UpdateGuard(Construct):
-    """Before the Endpoint is updated: refuse what SageMaker documents it refuses, and a blue/green peak
-    above the quota (handlers/update_guard.py). The Endpoint depends on it; its properties name the new
-    endpoint config, so every endpoint update runs it."""
+    """Before anything long runs (the image build, the model staging) and before the Endpoint is
+    updated: refuse what SageMaker documents it refuses, and a blue/green peak above the quota
+    (handlers/update_guard.py). Its properties are synth-time values only, so CloudFormation can
+    run it first: the image build, the staging and (through the model) the Endpoint depend on it,
+    and `Fingerprint` changes with everything that changes the endpoint config."""
 
     def __init__(
         self,
@@ -278,7 +294,7 @@ class UpdateGuard(Construct):
         *,
         image_stack: ImageStack,
         variant: VariantConfig,
-        endpoint_config_name: str,
+        fingerprint: str,
     ):
         super().__init__(scope, construct_id)
         self.resource = provider_request(
@@ -289,11 +305,13 @@ class UpdateGuard(Construct):
                 "Kind": "UpdateGuard",
                 "Variant": variant.name,
                 "EndpointName": variant.endpoint_name,
-                "EndpointConfigName": endpoint_config_name,
+                "Fingerprint": fingerprint,
                 "Invocation": variant.invocation,
                 "InstanceTypes": variant.instance_types,
                 "Autoscaling": str(variant.autoscaling).lower(),
                 "InitialInstances": str(variant.initial_instance_count),
+                # The synth-time bound (2 x the largest fleet), used only when the live fleet cannot
+                # be read; the guard counts the peak from DescribeEndpoint (update_guard.py).
                 "PeakInstances": str(variant.blue_green_peak),
                 # Consent to delete this endpoint by a rename (update_guard.py); absent unless set.
                 **({"ReplaceEndpoint": variant.replace_endpoint} if variant.replace_endpoint else {}),

@@ -32,6 +32,8 @@ from stacks.deploy_time_build import (
     ModelStaging,
     PostDeployCheck,
     UpdateGuard,
+    guard_fingerprint,
+    image_tag,
 )
 from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
 from stacks.image_stack import ImageStack
@@ -90,6 +92,19 @@ class EndpointStack(Stack):
             Tags.of(self).add(key, value)
         self.add_stack_dependency(image_stack, "builds the image and stages the model")
 
+        # Refusals SageMaker documents fail first, before the image build and the model staging (up to
+        # hours) and before UpdateEndpoint is called (handlers/update_guard.py): every long-running
+        # resource of the stack depends on the guard, and the guard on nothing of this stack.
+        image_ref = variant.image_uri or image_tag(
+            variant, image_stack.source_hash, image_stack.image_buildspec
+        )
+        self.guard = UpdateGuard(
+            self,
+            "UpdateGuard",
+            image_stack=image_stack,
+            variant=variant,
+            fingerprint=guard_fingerprint(variant, config.model, image_ref),
+        )
         self.staging: ModelStaging | None = None
         model = self._model(variant, config, image_stack)
         image = self._image(variant, config, image_stack)
@@ -114,14 +129,6 @@ class EndpointStack(Stack):
                 bucket_name=image_stack.artifacts_bucket_name,
                 settings=container_settings(variant, config.model),
             )
-        # Refusals SageMaker documents fail here, before UpdateEndpoint is called (handlers/update_guard.py).
-        self.guard = UpdateGuard(
-            self,
-            "UpdateGuard",
-            image_stack=image_stack,
-            variant=variant,
-            endpoint_config_name=self.endpoint.endpoint_config.attr_endpoint_config_name,
-        )
         self.endpoint.endpoint.node.add_dependency(self.guard)
         if image.guard is not None:  # the image is checked and protected before the model uses it
             self.endpoint.model.node.add_dependency(image.guard)
@@ -179,12 +186,14 @@ class EndpointStack(Stack):
             deployed = DeployedImage(
                 self, "PinnedImage", image_stack=image_stack, variant=variant, image_uri=variant.image_uri
             )
+            deployed.node.add_dependency(self.guard)
             return ImageLocation(
                 uri=variant.image_uri, repository_arn=repository_arn, source="pinned", guard=deployed
             )
         build = ImageBuild(
             self, "ImageBuild", image_stack=image_stack, variant=variant, project=config.project
         )
+        build.node.add_dependency(self.guard)
         if self.staging is not None:  # one CodeBuild build at a time: staging first, then the image
             build.resource.node.add_dependency(self.staging)
         return ImageLocation(
@@ -206,6 +215,7 @@ class EndpointStack(Stack):
         staging = self.staging = ModelStaging(
             self, "ModelStaging", image_stack=image_stack, model=config.model, archive=variant.batch_transform
         )
+        staging.node.add_dependency(self.guard)
         return ModelLocation(
             s3_uri=staging.model_s3_uri,
             bucket_name=staging.bucket_name,

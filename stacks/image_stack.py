@@ -399,6 +399,20 @@ class BuildProvider(Construct):
             "Service Quotas' List actions have no resource-level permissions; the update guard only reads "
             "SageMaker's instance quotas before an endpoint update.",
         )
+        # ... and counts that peak from the live fleet (DescribeEndpoint: instances by pool type).
+        on_event.add_to_role_policy(
+            iam.PolicyStatement(
+                sid="ReadLiveFleets",
+                actions=["sagemaker:DescribeEndpoint"],
+                resources=[
+                    # SageMaker ARNs carry the endpoint name in lower case.
+                    stack.format_arn(
+                        service="sagemaker", resource="endpoint", resource_name=variant.endpoint_name.lower()
+                    )
+                    for variant in endpoint_stacks.values()
+                ],
+            )
+        )
         # The post-deploy check and the update guard skip themselves while their stack rolls back.
         on_event.add_to_role_policy(
             iam.PolicyStatement(

@@ -38,7 +38,9 @@ What parking relies on:
   by that time (BlueGreenUpdatePolicy MaximumExecutionTimeoutInSeconds, 600-28800 s;
   https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_BlueGreenUpdatePolicy.html).
 - While the endpoint is `Updating` or `SystemUpdating` on this deploy's config (autoscaling's held-back
-  scale-out, which "is blocked during an update", or patching), the check waits instead of failing.
+  scale-out, which "is blocked during an update", or patching), the check waits instead of failing; so
+  it does on the previous config (the update not switched over yet, or being rolled back), and judges
+  the state the endpoint settles in: parking needs an InService endpoint.
 """
 
 from __future__ import annotations
@@ -363,6 +365,14 @@ def check(
     if parked is not None and parked in (live, pending):  # a failure parked it: finish that
         reason = f"{endpoint_name} failed the post-deploy check of {expected}"
         return _fail(clients, props, data, endpoint, reason, now)
+    # Still Updating on the previous config (the deploy's update not yet switched over, SageMaker
+    # rolling it back, autoscaling's held-back scale-out or patching): nothing can be judged, and
+    # parking needs an InService endpoint ("Cannot update in-progress endpoint"). Wait as for this
+    # deploy's config, and judge the state it settles in.
+    settling = live != expected and live == previous and status in WAITING_STATES
+    if settling and now - datetime.fromisoformat(data["StartedAt"]) < UPDATING_WAIT:
+        LOG.info("%s is %s on the previous %s (pending %s): waiting", endpoint_name, status, live, pending)
+        return {"IsComplete": False}
     if live != expected:
         reason = endpoint.get("FailureReason") or "no FailureReason given"
         if live != previous:

@@ -17,7 +17,12 @@ rollback meets an endpoint that is mid-update or that already runs the config it
   only deregistered in the cleanup after the update, so `autoscaling=false` must be its own deploy.
 - The blue/green peak against the account's "<instance type> for endpoint usage" quota (Service
   Quotas, https://docs.aws.amazon.com/general/latest/gr/sagemaker.html): an update runs the old fleet
-  and a new one of its size side by side. A quota that cannot be read is logged, not counted.
+  and a new one side by side, counted from the live endpoint (DescribeEndpoint), per instance type
+  (peak_by_type); 2 x max_capacity only when the live fleet cannot be read. A quota that cannot be
+  read is logged, not counted.
+
+The guard's properties are synth-time values (a `Fingerprint` of the variant, model and image), so it
+runs before the image build and the model staging: a refusal costs seconds, not the build.
 
 While the stack rolls back (CloudFormation sends the old properties as an Update) nothing is checked:
 refusing the way back would leave the stack in UPDATE_ROLLBACK_FAILED.
@@ -110,10 +115,64 @@ def quota_values(service_quotas: Any) -> dict[str, float]:
     return values
 
 
-def quota_shortfalls(service_quotas: Any, props: dict[str, Any], request: str) -> list[str]:
+def live_fleet(
+    sagemaker: Any, props: dict[str, Any], old: dict[str, Any]
+) -> tuple[dict[str, int], int] | None:
+    """The instances the endpoint runs now, by instance type, and the fleet an update keeps: from
+    DescribeEndpoint (ProductionVariantSummary: CurrentInstanceCount/DesiredInstanceCount, and per
+    instance pool InstancePoolSummary.CurrentInstanceCount,
+    https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ProductionVariantSummary.html).
+    A variant without pools runs the old config's instance type. None when the endpoint does not
+    exist or cannot be read (the synth-time bound is used then)."""
+    try:
+        raw = sagemaker.describe_endpoint(EndpointName=props["EndpointName"])
+    except (ClientError, BotoCoreError) as error:
+        LOG.warning("cannot read %s (%s): the synth-time peak is counted", props["EndpointName"], error)
+        return None
+    old_types = list(old.get("InstanceTypes") or props.get("InstanceTypes") or [])
+    running: dict[str, int] = {}
+    fleet = 0
+    for variant in raw.get("ProductionVariants") or []:
+        current = int(variant.get("CurrentInstanceCount") or 0)
+        fleet += max(current, int(variant.get("DesiredInstanceCount") or 0))
+        pools = variant.get("InstancePools") or []
+        for pool in pools:
+            running[pool["InstanceType"]] = running.get(pool["InstanceType"], 0) + int(
+                pool.get("CurrentInstanceCount") or 0
+            )
+        if not pools and old_types:
+            running[old_types[0]] = running.get(old_types[0], 0) + current
+    return running, fleet
+
+
+def peak_by_type(
+    props: dict[str, Any], request: str, live: tuple[dict[str, int], int] | None
+) -> dict[str, int]:
+    """The most instances of each instance type this request runs at once. A create: the initial
+    fleet. A blue/green update: the old fleet keeps running until the new one has taken all traffic
+    (BlueGreenUpdatePolicy, "SageMaker creates a new fleet during the deployment while maintaining the
+    old fleet"), and the new fleet is the live one's size when autoscaling (RetainAllVariantProperties
+    keeps DesiredInstanceCount) or the configured count (DesiredInstanceCount excluded from the
+    retained properties). The new fleet may land on any of its pool types (priority order, then
+    whichever has capacity), so each type is counted with the whole new fleet beside the instances
+    of that type the old one runs now. Without a readable live fleet: 2 x the largest fleet."""
+    types = list(props.get("InstanceTypes") or [])
+    if request != "Update":
+        return {t: int(props.get("InitialInstances") or 0) for t in types}
+    if live is None:
+        return {t: int(props.get("PeakInstances") or 0) for t in types}
+    running, fleet = live
+    autoscaled = str(props.get("Autoscaling")).lower() == "true"
+    new_fleet = fleet if autoscaled else int(props.get("InitialInstances") or 0)
+    return {t: running.get(t, 0) + new_fleet for t in types}
+
+
+def quota_shortfalls(
+    service_quotas: Any, props: dict[str, Any], request: str, peaks: dict[str, int] | None = None
+) -> list[str]:
     """Instance types whose endpoint quota is below what this request runs at its peak."""
-    key = "PeakInstances" if request == "Update" else "InitialInstances"
-    needed = int(props.get(key) or 0)
+    if peaks is None:
+        peaks = peak_by_type(props, request, None)
     try:
         quotas = quota_values(service_quotas)
     except (ClientError, BotoCoreError) as error:
@@ -122,6 +181,7 @@ def quota_shortfalls(service_quotas: Any, props: dict[str, Any], request: str) -
     problems = []
     for instance_type in props.get("InstanceTypes") or []:
         name = endpoint_quota_name(instance_type)
+        needed = peaks.get(instance_type, 0)
         if name not in quotas:
             LOG.warning("no quota %r in this region: not checked", name)
             continue
@@ -142,9 +202,16 @@ def start(clients: Any, event: dict[str, Any]) -> dict[str, Any]:
     if request == "Update" and post_deploy_check.rolling_back(clients["cloudformation"], event["StackId"]):
         return {"Result": "skipped (rollback)"}
     problems = []
+    old = event.get("OldResourceProperties") or {}
+    live = None
     if request == "Update":
-        problems += update_refusals(event.get("OldResourceProperties") or {}, props)
-    problems += quota_shortfalls(clients["service-quotas"], props, request)
+        problems += update_refusals(old, props)
+        if old.get("EndpointName") == props["EndpointName"]:  # a rename creates a new endpoint
+            live = live_fleet(clients["sagemaker"], props, old)
+        else:
+            request = "Create"
+    peaks = peak_by_type(props, request, live)
+    problems += quota_shortfalls(clients["service-quotas"], props, request, peaks)
     if problems:
         raise UpdateRefusedError(
             "refused before the endpoint was touched (nothing to roll back): " + " | ".join(problems)

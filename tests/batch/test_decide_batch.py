@@ -203,3 +203,54 @@ def test_summary_of_unjoined_lines_and_rates() -> None:
         "seconds": 2.0,
         "decisions_per_second": 1.5,
     }
+
+
+def test_gpu_submit_pins_the_batch_ami_the_cuda_image_runs_on(
+    aws: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 33 §4: a GPU transform job without TransformAmiVersion runs on whatever driver SageMaker
+    picks; the CUDA 12.4 image needs a CUDA 12 driver (535, with cuda-compat-12-4), never the 470 AMI."""
+    aws["sagemaker"].create_model(
+        ModelName="decider-gpu-transform-1",
+        ExecutionRoleArn=ROLE,
+        PrimaryContainer={
+            "Image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "c" * 64,
+            "ModelDataUrl": f"s3://{BUCKET}/models/g-batch-transform/model.tar.gz",
+        },
+    )
+    aws["cloudformation"].create_stack(
+        StackName="GpuStack",
+        TemplateBody=json.dumps(
+            {
+                "Resources": {"Topic": {"Type": "AWS::SNS::Topic"}},
+                "Outputs": {"TransformModelName": {"Value": "decider-gpu-transform-1"}},
+            }
+        ),
+    )
+    argv = ["submit", "--variant", "gpu", "--input", f"s3://{BUCKET}/in/", "--output", f"s3://{BUCKET}/o/"]
+    code, out = _run(aws, *argv, "--job-name", "decide-gpu-test", capsys=capsys)
+    assert code == 0, out
+    job = aws["sagemaker"].describe_transform_job(TransformJobName="decide-gpu-test")
+    assert job["TransformResources"]["TransformAmiVersion"] == "al2-ami-sagemaker-batch-gpu-535"
+    # a GPU the image was not compiled for, or one it does not know, is refused before anything starts
+    for instance_type, why in (("ml.g4dn.xlarge", "sm_75"), ("ml.p3.2xlarge", "does not know")):
+        code, out = _run(aws, *argv, "--instance-type", instance_type, "--job-name", "j2", capsys=capsys)
+        assert code == 2 and why in out, out
+    assert len(aws["sagemaker"].list_transform_jobs()["TransformJobSummaries"]) == 1
+    # the CPU job sets no AMI
+    assert (
+        "TransformAmiVersion"
+        not in transform_job_request(JobSpec("j", "m", "s3://b1b/i/", "s3://b1b/o/", "ml.c7i.xlarge"))[
+            "TransformResources"
+        ]
+    )
+
+
+def test_transform_ami_follows_the_cuda_major() -> None:
+    from stacks.config import CUDA_IMAGE_TOOLKIT, transform_ami_for
+
+    assert CUDA_IMAGE_TOOLKIT == "12.4"
+    assert transform_ami_for("12.4") == "al2-ami-sagemaker-batch-gpu-535"
+    assert transform_ami_for("11.8") == "al2-ami-sagemaker-batch-gpu-470"
+    with pytest.raises(ValueError, match="no Batch Transform AMI"):
+        transform_ami_for("13.0")

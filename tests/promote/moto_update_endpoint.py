@@ -35,6 +35,8 @@ class _Pending:
     new_config: str
     deployment_config: dict[str, Any] | None
     polls_left: int
+    retain: bool = False
+    excluded: frozenset[str] = frozenset()
     hooks_ran: bool = False
 
 
@@ -62,6 +64,7 @@ class UpdateSimulator:
         config: str,
         deployment: dict | None,
         retain: bool | None = None,
+        exclude: list[dict[str, str]] | None = None,
     ) -> str:
         endpoint = backend.endpoints.get(name)
         if endpoint is None:
@@ -79,13 +82,19 @@ class UpdateSimulator:
                 "EndpointConfigName": config,
                 "DeploymentConfig": deployment,
                 "RetainAllVariantProperties": retain,
+                "ExcludeRetainedVariantProperties": exclude,
             }
         )
         endpoint.endpoint_status = "Updating"
         endpoint.failure_reason = None
         endpoint.pending_deployment_summary = {"EndpointConfigName": config}
         self._pending[name] = _Pending(
-            endpoint.endpoint_config_name, config, deployment, self.polls_until_done
+            endpoint.endpoint_config_name,
+            config,
+            deployment,
+            self.polls_until_done,
+            retain=bool(retain),
+            excluded=frozenset(p["VariantPropertyType"] for p in exclude or []),
         )
         return endpoint.arn
 
@@ -112,7 +121,16 @@ class UpdateSimulator:
             return
         endpoint.endpoint_config_name = pending.new_config
         config = backend.endpoint_configs[pending.new_config]
+        old = {v["VariantName"]: v for v in endpoint.production_variants}
         endpoint.production_variants = endpoint._process_production_variants(config.production_variants)
+        if pending.retain:  # as UpdateEndpoint's RetainAllVariantProperties: the live values stay
+            for variant in endpoint.production_variants:
+                before = old.get(variant["VariantName"], {})
+                kept = {"DesiredInstanceCount": ("CurrentInstanceCount", "DesiredInstanceCount")}
+                kept["DesiredWeight"] = ("CurrentWeight", "DesiredWeight")
+                for prop, keys in kept.items():
+                    if prop not in pending.excluded:
+                        variant.update({k: before[k] for k in keys if k in before})
         if pending.deployment_config:
             endpoint.last_deployment_config = pending.deployment_config
 
@@ -141,6 +159,7 @@ def install() -> None:
             self._get_param("EndpointConfigName"),
             self._get_param("DeploymentConfig"),
             self._get_param("RetainAllVariantProperties"),
+            self._get_param("ExcludeRetainedVariantProperties"),
         )
         return ActionResult({"EndpointArn": arn})
 

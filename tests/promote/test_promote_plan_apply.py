@@ -254,3 +254,68 @@ def test_update_that_outlasts_the_timeout_exits_3_and_says_where_to_look(aws, ca
     assert cli.main([*argv, "--poll-seconds", "0", "--timeout-minutes", "0"]) == EXIT_ROLLED_BACK
     err = capsys.readouterr().err
     assert "error[update_timeout]" in err and "promote status --endpoint decider-cpu" in err
+
+
+def test_apply_rerun_after_a_ci_timeout_smokes_and_records_the_rollback_target(aws, capsys):
+    """Issue 33 §4: the first apply stops waiting (CI timeout) while the update goes on and succeeds;
+    the re-run finds the new config live ("Already live") and must still smoke it and record the
+    config it replaced as the rollback target."""
+    aws.create_endpoint("decider-cpu")
+    aws.create_alarm("decider-cpu-5xx")
+    aws.simulator.polls_until_done = 3
+    argv = ["apply", "--endpoint", "decider-cpu", "--image", IMAGE_B, "--alarm", "decider-cpu-5xx"]
+    assert cli.main([*argv, "--poll-seconds", "0", "--timeout-minutes", "0"]) == EXIT_ROLLED_BACK
+    assert "error[update_timeout]" in capsys.readouterr().err
+    while aws.endpoint("decider-cpu")["EndpointStatus"] == "Updating":  # the update goes on
+        pass
+    promoted = aws.endpoint("decider-cpu")["EndpointConfigName"]
+    assert promoted != "decider-cpu-config-0"
+
+    aws.queue_invoke_results(DECISION_BODY, CHAT_BODY)
+    assert cli.main([*argv, *FAST]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "Already live" in out and "smoke" in out.lower()
+    assert len(aws.simulator.update_calls) == 1  # no second UpdateEndpoint
+    tags = aws.tags(aws.endpoint("decider-cpu")["EndpointArn"])
+    assert tags[TAG_ROLLBACK] == "decider-cpu-config-0"
+    assert "promote:apply-in-flight" not in tags
+    # and `promote rollback` now has somewhere to go
+    assert cli.main(["rollback", "--endpoint", "decider-cpu", *FAST, "--skip-smoke"]) == EXIT_OK
+    assert aws.endpoint("decider-cpu")["EndpointConfigName"] == "decider-cpu-config-0"
+
+
+def test_apply_rerun_after_a_ci_timeout_reverts_when_the_smoke_fails(aws, capsys):
+    aws.create_endpoint("decider-cpu")
+    aws.create_alarm("decider-cpu-5xx")
+    argv = ["apply", "--endpoint", "decider-cpu", "--image", IMAGE_B, "--alarm", "decider-cpu-5xx"]
+    assert cli.main([*argv, "--poll-seconds", "0", "--timeout-minutes", "0"]) == EXIT_ROLLED_BACK
+    while aws.endpoint("decider-cpu")["EndpointStatus"] == "Updating":
+        pass
+    aws.queue_invoke_results({"unexpected": True}, {"unexpected": True})
+    assert cli.main([*argv, *FAST]) != EXIT_OK
+    assert "error[smoke_failed]" in capsys.readouterr().err
+    endpoint = aws.endpoint("decider-cpu")
+    assert endpoint["EndpointConfigName"] == "decider-cpu-config-0"
+    assert TAG_ROLLBACK not in aws.tags(endpoint["EndpointArn"])
+
+
+def test_apply_count_takes_effect_under_retained_variant_properties(aws):
+    """Issue 33 §4: RetainAllVariantProperties keeps the live instance count unless
+    ExcludeRetainedVariantProperties names DesiredInstanceCount (API_VariantProperty)."""
+    aws.create_endpoint("decider-cpu")
+    aws.create_alarm("decider-cpu-5xx")
+    argv = ["apply", "--endpoint", "decider-cpu", "--count", "3", "--alarm", "decider-cpu-5xx"]
+    assert cli.main([*argv, *FAST, "--skip-smoke"]) == EXIT_OK
+    call = aws.simulator.update_calls[-1]
+    assert call["RetainAllVariantProperties"] is True
+    assert call["ExcludeRetainedVariantProperties"] == [{"VariantPropertyType": "DesiredInstanceCount"}]
+    variant = aws.endpoint("decider-cpu")["ProductionVariants"][0]
+    assert variant["CurrentInstanceCount"] == 3 and variant["DesiredInstanceCount"] == 3
+
+
+def test_apply_without_count_keeps_the_live_count(aws):
+    aws.create_endpoint("decider-cpu")
+    aws.create_alarm("decider-cpu-5xx")
+    argv = ["apply", "--endpoint", "decider-cpu", "--image", IMAGE_B, "--alarm", "decider-cpu-5xx"]
+    assert cli.main([*argv, *FAST, "--skip-smoke"]) == EXIT_OK
+    assert aws.simulator.update_calls[-1]["ExcludeRetainedVariantProperties"] is None

@@ -135,3 +135,44 @@ def test_prune_after_the_stack_was_deleted_removes_what_it_left(aws, capsys):
     configs, _ = _names(aws)
     assert configs == {shared_config}
     assert kept_config not in configs
+
+
+def _stack_with_outputs(aws, stack: str, outputs: dict[str, str]) -> None:
+    """A CloudFormation stack in moto whose outputs name what the real stack's would."""
+    import json
+
+    import boto3
+
+    template = {
+        "Resources": {"Topic": {"Type": "AWS::SNS::Topic"}},
+        "Outputs": {key: {"Value": value} for key, value in outputs.items()},
+    }
+    boto3.client("cloudformation").create_stack(StackName=stack, TemplateBody=json.dumps(template))
+
+
+def test_prune_keeps_the_stacks_transform_model(aws, capsys):
+    """Issue 33 §4: TransformModel carries the endpoint tag and no endpoint config uses it."""
+    from promote_constants import ROLE
+
+    live_model, live_config = _stack_resources(aws, "LIVE2", _image("b"))
+    aws.sagemaker.create_endpoint(
+        EndpointName="decider-cpu",
+        EndpointConfigName=live_config,
+        Tags=[{"Key": "aws:cloudformation:stack-name", "Value": "CpuStack"}],
+    )
+    tags = [
+        {"Key": "promote:endpoint", "Value": "decider-cpu"},
+        {"Key": "aws:cloudformation:stack-name", "Value": "CpuStack"},
+    ]
+    for name in ("TransformModelA1B2-LIVE", "TransformModelA1B2-OLD"):  # OLD: a replaced, retained one
+        aws.sagemaker.create_model(
+            ModelName=name,
+            ExecutionRoleArn=ROLE,
+            PrimaryContainer={"Image": _image("b"), "ModelDataUrl": "s3://m/x-batch-transform/model.tar.gz"},
+            Tags=tags,
+        )
+    _stack_with_outputs(aws, "CpuStack", {"TransformModelName": "TransformModelA1B2-LIVE"})
+    assert cli.main(["prune", "--endpoint", "decider-cpu", "--keep", "0"]) == EXIT_OK
+    _, models = _names(aws)
+    assert models == {live_model, "TransformModelA1B2-LIVE"}
+    assert "Batch Transform model of stack CpuStack" in " ".join(capsys.readouterr().out.split())

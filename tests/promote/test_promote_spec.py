@@ -141,3 +141,34 @@ def test_missing_profile_and_region_are_clear_errors(monkeypatch, capsys):
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     assert cli.main(["status", "--endpoint", "e"]) == 1
     assert "error[no_region]" in capsys.readouterr().err
+
+
+def test_the_copied_config_keeps_instance_pools_and_the_provision_timeout():
+    """Issue 33 §4: every ProductionVariant field the live config has reaches the promoted config."""
+    pools = [
+        {"InstanceType": "ml.g6.xlarge", "Priority": 1},
+        {"InstanceType": "ml.g5.xlarge", "Priority": 2},
+    ]
+    variant = {
+        **CONFIG["ProductionVariants"][0],
+        "InstancePools": pools,
+        "VariantInstanceProvisionTimeoutInSeconds": 1800,
+    }
+    promotion = compute_promotion(
+        "decider-gpu", {**CONFIG, "ProductionVariants": [variant]}, MODEL, Overrides(image=IMAGE_B)
+    )
+    promoted = promotion.config_request["ProductionVariants"][0]
+    assert promoted["InstancePools"] == pools
+    assert promoted["VariantInstanceProvisionTimeoutInSeconds"] == 1800
+
+
+def test_the_copied_keys_are_every_create_member_of_the_installed_botocore():
+    """A field SageMaker adds to ProductionVariant or CreateEndpointConfig is copied, not dropped."""
+    import botocore.session
+
+    from tools.promote.spec import CONFIG_KEYS, VARIANT_KEYS
+
+    service = botocore.session.get_session().get_service_model("sagemaker")
+    assert set(VARIANT_KEYS) == set(service.shape_for("ProductionVariant").members)
+    create = set(service.operation_model("CreateEndpointConfig").input_shape.members)
+    assert set(CONFIG_KEYS) == create - {"EndpointConfigName", "Tags"}

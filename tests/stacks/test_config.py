@@ -182,6 +182,24 @@ def test_unrelated_context_keys_are_ignored():
             {"cpu.min_capacity": "1", "cpu.initial_instance_count": "1"},
             "cpu.deployment.step_instance_count: 1 must be at most half of min_capacity",
         ),
+        (  # issue 33 §5: LINEAR's 10 % floor at the largest fleet
+            {"cpu.deployment.traffic_routing": "LINEAR", "cpu.max_capacity": "20"},
+            "cpu.deployment.step_instance_count: 1 is below 10 % of max_capacity (20)",
+        ),
+        (  # issue 33 §5: the waits against MaximumExecutionTimeoutInSeconds
+            {"cpu.deployment.wait_interval_s": "3600", "cpu.deployment.termination_wait_s": "3600"},
+            "cpu.deployment.maximum_execution_timeout_s: 7200 s is not larger than the update's waits",
+        ),
+        (
+            {
+                "cpu.deployment.traffic_routing": "LINEAR",
+                "cpu.deployment.step_instance_count": "1",
+                "cpu.max_capacity": "8",
+                "cpu.min_capacity": "2",
+                "cpu.deployment.wait_interval_s": "900",
+            },
+            "not larger than the update's waits (7500 s",
+        ),
         ({"cpu.log_retention_days": "31"}, "retention periods"),
         ({"model.sha256": "13c16f42a983"}, "model.sha256"),
         ({"cpu.endpoint_name": "decider_cpu"}, "cpu.endpoint_name"),

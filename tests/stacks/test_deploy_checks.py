@@ -667,7 +667,7 @@ GUARD_PROPS = {
     "Kind": "UpdateGuard",
     "Variant": "cpu",
     "EndpointName": "decider-cpu",
-    "EndpointConfigName": "DeciderConfig-NEW",
+    "Fingerprint": "f" * 32,
     "Invocation": "realtime",
     "InstanceTypes": ["ml.c7i.8xlarge"],
     "Autoscaling": "true",
@@ -691,9 +691,10 @@ def quotas(aws: dict[str, Any], value: float, applied: float | None = None) -> N
 
 
 def test_the_guard_refuses_a_blue_green_peak_above_the_quota(aws):
+    """Without a readable live fleet (the Stubber answers no DescribeEndpoint here): 2 x max_capacity."""
     stack_status(aws, "UPDATE_IN_PROGRESS")
     quotas(aws, 2, applied=6)  # the applied value wins over the default
-    update = event("Update", GUARD_PROPS, OldResourceProperties={**GUARD_PROPS, "EndpointConfigName": "OLD"})
+    update = event("Update", GUARD_PROPS, OldResourceProperties={**GUARD_PROPS, "Fingerprint": "OLD"})
     with pytest.raises(
         update_guard.UpdateRefusedError, match=r"quota 'ml.c7i.8xlarge for endpoint usage' is 6, but"
     ):
@@ -710,7 +711,7 @@ def test_the_guard_refuses_a_rename_unless_replace_endpoint_names_the_endpoint_i
     """Issue 33 §3: EndpointName is create-only: a rename creates the new endpoint and deletes the old one
     and its log group. Refused before the Endpoint is touched, unless consented by name."""
     renamed = {**GUARD_PROPS, "EndpointName": "decider-cpu-async", "Invocation": "async"}
-    old = {**GUARD_PROPS, "EndpointConfigName": "OLD"}
+    old = {**GUARD_PROPS, "Fingerprint": "OLD"}
     stack_status(aws, "UPDATE_IN_PROGRESS")
     quotas(aws, 20)
     with pytest.raises(update_guard.UpdateRefusedError) as refused:
@@ -774,6 +775,90 @@ def test_the_guard_checks_the_first_fleet_on_create_and_nothing_while_rolling_ba
     }
 
 
+def live_endpoint(
+    aws: dict[str, Any], current: int, desired: int, pools: dict[str, int] | None = None
+) -> None:
+    variant: dict[str, Any] = {
+        "VariantName": "AllTraffic",
+        "CurrentInstanceCount": current,
+        "DesiredInstanceCount": desired,
+    }
+    if pools:
+        variant["InstancePools"] = [{"InstanceType": t, "CurrentInstanceCount": n} for t, n in pools.items()]
+    aws["sagemaker"].add_response(
+        "describe_endpoint",
+        {
+            "EndpointName": "decider-cpu",
+            "EndpointArn": f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:endpoint/decider-cpu",
+            "EndpointConfigName": "DeciderConfig-OLD",
+            "EndpointStatus": "InService",
+            "CreationTime": NOW,
+            "LastModifiedTime": NOW,
+            "ProductionVariants": [variant],
+        },
+        {"EndpointName": "decider-cpu"},
+    )
+
+
+def typed_quotas(aws: dict[str, Any], values: dict[str, float]) -> None:
+    listed = [
+        {
+            "QuotaName": f"{t} for endpoint usage",
+            "QuotaCode": f"L-{i}",
+            "ServiceCode": "sagemaker",
+            "Value": v,
+        }
+        for i, (t, v) in enumerate(values.items())
+    ]
+    aws["service-quotas"].add_response(
+        "list_aws_default_service_quotas", {"Quotas": listed}, {"ServiceCode": "sagemaker"}
+    )
+    aws["service-quotas"].add_response("list_service_quotas", {"Quotas": []}, {"ServiceCode": "sagemaker"})
+
+
+def test_the_guard_counts_the_blue_green_peak_of_the_live_fleet(aws):
+    """Issue 33 §5: the peak is today's fleet twice (old + a new one of its size, retained), not
+    2 x max_capacity: 2 live instances of max_capacity 4 fit a quota of 6; 4 live ones do not."""
+    update = event("Update", GUARD_PROPS, OldResourceProperties={**GUARD_PROPS, "Fingerprint": "OLD"})
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    live_endpoint(aws, current=2, desired=2)
+    quotas(aws, 6)
+    assert "accepted" in codebuild_job.on_event(update, clients=aws["clients"], now=NOW)["Data"]["Result"]
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    live_endpoint(aws, current=4, desired=4)
+    quotas(aws, 6)
+    with pytest.raises(update_guard.UpdateRefusedError, match="is 6, but the endpoint runs 8 instances"):
+        codebuild_job.on_event(update, clients=aws["clients"], now=NOW)
+
+
+def test_the_guard_counts_each_pool_type_with_its_own_live_instances(aws):
+    """Instance pools: the old fleet's instances of a type stay while the whole new fleet may land on
+    that type; 3 + 4 on c7i and 1 + 4 on c6i, not 8 on each."""
+    pooled = {**GUARD_PROPS, "InstanceTypes": ["ml.c7i.8xlarge", "ml.c6i.8xlarge"]}
+    update = event("Update", pooled, OldResourceProperties={**pooled, "Fingerprint": "OLD"})
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    live_endpoint(aws, current=4, desired=4, pools={"ml.c7i.8xlarge": 3, "ml.c6i.8xlarge": 1})
+    typed_quotas(aws, {"ml.c7i.8xlarge": 7, "ml.c6i.8xlarge": 5})
+    assert "accepted" in codebuild_job.on_event(update, clients=aws["clients"], now=NOW)["Data"]["Result"]
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    live_endpoint(aws, current=4, desired=4, pools={"ml.c7i.8xlarge": 3, "ml.c6i.8xlarge": 1})
+    typed_quotas(aws, {"ml.c7i.8xlarge": 6, "ml.c6i.8xlarge": 5})
+    with pytest.raises(
+        update_guard.UpdateRefusedError, match=r"'ml\.c7i\.8xlarge for endpoint usage' is 6, but"
+    ):
+        codebuild_job.on_event(update, clients=aws["clients"], now=NOW)
+
+
+def test_without_autoscaling_the_new_fleet_is_the_configured_count(aws):
+    fixed = {**GUARD_PROPS, "Autoscaling": "false", "InitialInstances": "3", "PeakInstances": "6"}
+    update = event("Update", fixed, OldResourceProperties={**fixed, "InitialInstances": "2"})
+    stack_status(aws, "UPDATE_IN_PROGRESS")
+    live_endpoint(aws, current=2, desired=2)
+    quotas(aws, 4)
+    with pytest.raises(update_guard.UpdateRefusedError, match="runs 5 instances at the blue/green peak"):
+        codebuild_job.on_event(update, clients=aws["clients"], now=NOW)
+
+
 def test_the_guard_passes_when_the_quotas_cannot_be_read(aws):
     aws["service-quotas"].add_client_error("list_aws_default_service_quotas", "AccessDeniedException")
     result = codebuild_job.on_event(event("Create", GUARD_PROPS), clients=aws["clients"], now=NOW)
@@ -815,3 +900,74 @@ def test_the_json_call_sends_the_body_as_given_signed_for_sagemaker(aws):
     client.http = FakeHttp(400, {"__type": "com.amazon.coral.validate#ValidationException", "message": "bad"})
     with pytest.raises(ClientError, match=r"ValidationException.*bad"):
         client.call("CreateEndpointConfig", body)
+
+
+@pytest.mark.parametrize("status", ["Updating", "SystemUpdating"])
+def test_the_check_waits_while_the_endpoint_updates_on_the_previous_config(aws, status):
+    """Issue 33 §5: an endpoint still Updating on the previous config is not judged (nor parked, which
+    UpdateEndpoint would refuse) at once: the check waits, then judges what it settles in."""
+    old = {**CHECK_PROPS, "EndpointConfigName": PREVIOUS_CONFIG}
+    started = check_update(aws, old, NOW)
+    endpoint(aws, PREVIOUS_CONFIG, status=status)
+    soon = NOW + timedelta(minutes=3)
+    assert codebuild_job.is_complete(started, clients=aws["clients"], now=soon) == {"IsComplete": False}
+    # it settles on this deploy's config: the smoke calls decide
+    endpoint(aws, "DeciderConfig-NEW")
+    invocations(aws, DECISION_OK, CHAT_OK)
+    done = codebuild_job.is_complete(started, clients=aws["clients"], now=soon + timedelta(minutes=1))
+    assert done["IsComplete"] is True
+    # still there after the wait: it fails, saying so
+    endpoint(aws, PREVIOUS_CONFIG, status=status)
+    late = NOW + post_deploy_check.UPDATING_WAIT + timedelta(seconds=1)
+    with pytest.raises(post_deploy_check.PostDeployCheckError, match=status):
+        codebuild_job.is_complete(started, clients=aws["clients"], now=late)
+
+
+def _resources_of(template: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
+    return {k: r for k, r in template["Resources"].items() if r["Type"] == kind}
+
+
+def _depends_on(resource: dict[str, Any]) -> list[str]:
+    depends = resource.get("DependsOn") or []
+    return [depends] if isinstance(depends, str) else depends
+
+
+def _references(value: Any) -> set[str]:
+    """Logical ids a template value refers to (Ref, Fn::GetAtt)."""
+    if isinstance(value, dict):
+        found = set()
+        if "Ref" in value:
+            found.add(value["Ref"])
+        if "Fn::GetAtt" in value:
+            found.add(value["Fn::GetAtt"][0])
+        for inner in value.values():
+            found |= _references(inner)
+        return found
+    if isinstance(value, list):
+        return set().union(*(_references(v) for v in value)) if value else set()
+    return set()
+
+
+@pytest.mark.cdk
+@pytest.mark.parametrize("fixture", ["synth", "synth_prebuilt"])
+def test_the_guard_runs_before_the_image_build_and_the_staging(fixture, request):
+    """Issue 33 §5: Custom::UpdateGuard refers to nothing of its stack (synth-time properties, the
+    provider's token from ImageStack) and the image build, the pinned image's check, the model staging
+    and the Endpoint depend on it: a refusal comes before the long wait, not after it."""
+    synthesized = request.getfixturevalue(fixture)
+    for name in ("CpuStack", "GpuStack"):
+        template = synthesized.templates[name]
+        [(guard_id, guard)] = _resources_of(template, "Custom::UpdateGuard").items()
+        own = _references(guard["Properties"]) & set(template["Resources"])
+        assert own == set(), f"{name}: the guard waits for {own}"
+        assert "Fingerprint" in guard["Properties"] and "EndpointConfigName" not in guard["Properties"]
+        long_running = {
+            **_resources_of(template, "Custom::ImageBuild"),
+            **_resources_of(template, "Custom::ModelStaging"),
+            **_resources_of(template, "Custom::DeployedImage"),
+            **_resources_of(template, "AWS::CloudFormation::WaitCondition"),
+            **_resources_of(template, "AWS::SageMaker::Endpoint"),
+        }
+        assert long_running, name
+        for logical_id, resource in long_running.items():
+            assert guard_id in _depends_on(resource), f"{name}: {logical_id} does not wait for the guard"

@@ -98,7 +98,10 @@ def test_container_change_rebuilds_only_the_image_and_copies_do_not(synth, tmp_p
             ),
         }
         assert len(waits) == 4
-        assert _changed_resources(before, after) == {build_id, deployed_id, *waits}
+        # and the update guard, whose Fingerprint follows the image tag: it runs before the build
+        # (issue 33 §5), as it ran before on the endpoint config the new image makes.
+        (guard_id,) = _of_type(after, "Custom::UpdateGuard")
+        assert _changed_resources(before, after) == {build_id, deployed_id, guard_id, *waits}
         old_tag = before["Resources"][build_id]["Properties"]["ImageTag"]
         new_tag = after["Resources"][build_id]["Properties"]["ImageTag"]
         assert new_tag != old_tag

@@ -224,6 +224,7 @@ def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
         "ecr:PutImage",  # … and put it again under the new tag
         "ssm:GetParameter",  # the deployed-image record
         "cloudformation:DescribeStacks",  # the post-deploy check skips rollbacks
+        "sagemaker:DescribeEndpoint",  # the update guard counts the live fleet's blue/green peak
         # a rolled-back or deleted image request stops the build it started (by its wait handle)
         "codebuild:ListBuildsForProject",
         "codebuild:BatchGetBuilds",

@@ -42,6 +42,7 @@ from tools.batch.jobs import (
     check_transformable,
     default_job_name,
     fetch,
+    gpu_transform_ami,
     progress,
     summarize,
     transform_job_request,
@@ -162,18 +163,20 @@ def _submit(args: argparse.Namespace, clients: dict[str, Any], out: Callable[[st
     variant = load_config(context_with(args.context)).variant(args.variant)
     model_name = args.model or transform_model_of_stack(clients["cloudformation"], args.variant)
     check_transformable(clients["sagemaker"], model_name)
+    instance_type = args.instance_type or variant.instance_type
     spec = JobSpec(
         name=args.job_name or default_job_name(args.variant),
         model_name=model_name,
         input_uri=args.input,
         output_uri=args.output,
-        instance_type=args.instance_type or variant.instance_type,
+        instance_type=instance_type,
         instance_count=args.instance_count,
         timeout_seconds=args.timeout,
         max_retries=args.max_retries,
         max_payload_mb=args.max_payload_mb,
         join_input=not args.no_join,
         tags={"decide-batch:variant": args.variant, "promote:endpoint": variant.endpoint_name},
+        ami_version=gpu_transform_ami(instance_type, variant.cuda_architectures),
     )
     clients["sagemaker"].create_transform_job(**transform_job_request(spec))
     out(f"started {spec.name}: model {model_name} on {spec.instance_count} x {spec.instance_type}")

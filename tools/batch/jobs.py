@@ -30,7 +30,8 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from stacks.config import TRANSFORM_MODEL_OUTPUT
+from stacks.config import CUDA_IMAGE_TOOLKIT, TRANSFORM_MODEL_OUTPUT, transform_ami_for
+from stacks.instances import family_of, gpu_model
 
 S3_URI_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<key>.*)$")
 JSONLINES = "application/jsonlines"
@@ -85,6 +86,30 @@ def check_transformable(sagemaker: Any, model_name: str) -> None:
         )
 
 
+def gpu_transform_ami(instance_type: str, cuda_architectures: str | None) -> str | None:
+    """TransformAmiVersion for a job on `instance_type`: None on CPU; on a GPU, the batch AMI the
+    CUDA image's toolkit runs on (stacks.config.transform_ami_for), after checking that the image
+    was compiled for that GPU (the variant's CUDA architectures): without SASS for it, the CUDA
+    runtime would have to JIT PTX newer than driver 535 knows. Raises BatchError with the reason."""
+    model = gpu_model(instance_type)
+    if model is None:
+        if family_of(instance_type)[:1] in ("g", "p"):  # every g*/p* transform type has NVIDIA GPUs
+            raise BatchError(
+                f"{instance_type}: a GPU family stacks/instances.py does not know, so neither does the "
+                "CUDA image's build: run it on the variant's GPU types"
+            )
+        return None
+    if cuda_architectures is None or model.cuda_arch not in cuda_architectures.split(";"):
+        raise BatchError(
+            f"{instance_type} has a {model.name} (sm_{model.cuda_arch}) and the variant's image is built "
+            f"for {cuda_architectures or 'no GPU'}: run it on the variant's GPU types"
+        )
+    try:
+        return transform_ami_for(CUDA_IMAGE_TOOLKIT)
+    except ValueError as exc:
+        raise BatchError(f"refusing a GPU transform job: {exc}") from None
+
+
 def default_job_name(variant: str, now: dt.datetime | None = None) -> str:
     stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%d-%H%M%S")
     return f"decide-{variant}-{stamp}"
@@ -104,6 +129,7 @@ class JobSpec:
     max_concurrent: int | None = None
     join_input: bool = True
     tags: dict[str, str] = field(default_factory=dict)
+    ami_version: str | None = None  # TransformAmiVersion: set for GPU types (gpu_transform_ami)
 
 
 def transform_job_request(spec: JobSpec) -> dict[str, Any]:
@@ -132,7 +158,11 @@ def transform_job_request(spec: JobSpec) -> dict[str, Any]:
             "SplitType": "Line",
         },
         "TransformOutput": {"S3OutputPath": spec.output_uri, "Accept": JSONLINES, "AssembleWith": "Line"},
-        "TransformResources": {"InstanceType": spec.instance_type, "InstanceCount": spec.instance_count},
+        "TransformResources": {
+            "InstanceType": spec.instance_type,
+            "InstanceCount": spec.instance_count,
+            **({"TransformAmiVersion": spec.ami_version} if spec.ami_version else {}),
+        },
         "DataProcessing": {"JoinSource": "Input" if spec.join_input else "None"},
         "Tags": [{"Key": k, "Value": v} for k, v in sorted(spec.tags.items())],
     }

@@ -217,9 +217,19 @@ def cmd_apply(clients: AwsClients, args: argparse.Namespace) -> int:
     promotion = _promotion(clients, endpoint, overrides)
     require_digest(promotion.image)
     render.show_plan(console, promotion)
+    take_count = args.count is not None
     if not promotion.changed:
-        console.print("[green]Already live[/]: nothing created, no update started.")
-        return EXIT_OK
+        previous = deploy.in_flight_from(endpoint.tags, promotion.config_name)
+        if previous is None:
+            console.print("[green]Already live[/]: nothing created, no update started.")
+            return EXIT_OK
+        # An earlier apply's update finished after its caller stopped waiting (a CI timeout): what
+        # it did not do yet, the smoke checks and the rollback target, is done now.
+        console.print(
+            f"[green]Already live[/] from an apply that did not finish ({previous} → "
+            f"{promotion.config_name}): smoke checks and rollback target now"
+        )
+        return _after_update(clients, endpoint, promotion, previous, args, take_count=take_count)
     settings = _settings(args)
     if settings.auto_rollback:
         guards.require_alarms(
@@ -231,29 +241,50 @@ def cmd_apply(clients: AwsClients, args: argparse.Namespace) -> int:
     for created in deploy.ensure_resources(clients.sagemaker, promotion):
         console.print(f"created {created}")
     previous = endpoint.config_name
-    deploy.start_update(clients.sagemaker, endpoint.name, promotion.config_name, deploy_config)
+    deploy.mark_in_flight(clients.sagemaker, endpoint.arn, previous, promotion.config_name)
+    deploy.start_update(
+        clients.sagemaker, endpoint.name, promotion.config_name, deploy_config, take_count=take_count
+    )
     console.print(
         f"UpdateEndpoint started: canary {settings.canary_percent}% for {settings.wait_minutes} min, "
         f"auto-rollback on {', '.join(settings.alarms) or 'nothing'}"
+        + (f", instance count {args.count}" if take_count else "")
     )
     outcome = _wait(clients, endpoint.name, promotion.config_name, settings.alarms, args)
     _raise_unless_succeeded(outcome, endpoint.name)  # alarm rollback or timeout: no tag is touched
+    return _after_update(clients, endpoint, promotion, previous, args, take_count=take_count)
+
+
+def _after_update(
+    clients: AwsClients,
+    endpoint: live.LiveEndpoint,
+    promotion: Promotion,
+    previous: str,
+    args: argparse.Namespace,
+    *,
+    take_count: bool,
+) -> int:
+    """The new config is live: smoke it, record the rollback target, or revert."""
     console.print(f"[green]Live[/]: {endpoint.name} runs {promotion.config_name}")
     # The rollback target is recorded only once the new config has proved itself (or is left live
     # on purpose): a failed apply must never make itself the target of `promote rollback`.
     if args.skip_smoke or _smoke_passes(clients, endpoint.name):
         _record_target(clients, endpoint, previous)
+        deploy.clear_in_flight(clients.sagemaker, endpoint.arn)
         return EXIT_OK
     if args.no_rollback_on_smoke_failure:
         _record_target(clients, endpoint, previous)
+        deploy.clear_in_flight(clients.sagemaker, endpoint.arn)
         raise DeploymentFailedError(
             "smoke_failed",
             "smoke tests failed; new config left live as asked",
             hint=f"promote rollback --endpoint {endpoint.name}  (returns to {previous})",
         )
     console.print(f"Smoke tests failed: reverting to {previous}")
-    deploy.start_update(clients.sagemaker, endpoint.name, previous, None)
+    # the revert takes the previous config's count back when the apply changed it
+    deploy.start_update(clients.sagemaker, endpoint.name, previous, None, take_count=take_count)
     back = _wait(clients, endpoint.name, previous, (), args)
+    deploy.clear_in_flight(clients.sagemaker, endpoint.arn)
     if not back.succeeded:  # still on (or near) the failed config: let `promote rollback` finish the job
         _record_target(clients, endpoint, previous)
         raise DeploymentFailedError(
@@ -353,7 +384,7 @@ def cmd_prune(clients: AwsClients, args: argparse.Namespace) -> int:
             f"endpoint {args.endpoint} does not exist: pruning the models and configs it left "
             "(a deleted stack retains them)"
         )
-    plan = plan_prune(clients.sagemaker, args.endpoint, endpoint, args.keep)
+    plan = plan_prune(clients.sagemaker, args.endpoint, endpoint, args.keep, clients.cloudformation)
     render.show_prune(console, plan, dry_run=args.dry_run)
     if not args.dry_run:
         execute_prune(clients.sagemaker, plan)

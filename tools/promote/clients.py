@@ -44,6 +44,7 @@ class AwsClients:
     runtime: Any
     cloudwatch: Any
     ecr: Any
+    cloudformation: Any
     region: str
 
 
@@ -66,6 +67,7 @@ def make_clients(region: str | None, profile: str | None) -> AwsClients:
             ),
             cloudwatch=session.client("cloudwatch", config=CONTROL_PLANE_CONFIG),
             ecr=session.client("ecr", config=CONTROL_PLANE_CONFIG),
+            cloudformation=session.client("cloudformation", config=CONTROL_PLANE_CONFIG),
             region=session.region_name,
         )
     except ProfileNotFound as exc:

@@ -14,7 +14,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from stacks.handlers import image_retention
 from tools.promote.errors import PromoteError
 from tools.promote.guards import alarm_states
-from tools.promote.live import TAG_ENDPOINT, TAG_ROLLBACK, describe_config, describe_model
+from tools.promote.live import TAG_ENDPOINT, TAG_IN_FLIGHT, TAG_ROLLBACK, describe_config, describe_model
 from tools.promote.spec import Promotion
 
 THROTTLING_CODES = frozenset(
@@ -104,19 +104,52 @@ def ensure_resources(sagemaker: Any, promotion: Promotion) -> list[str]:
 
 
 def start_update(
-    sagemaker: Any, endpoint: str, config_name: str, deploy_config: dict[str, Any] | None
+    sagemaker: Any,
+    endpoint: str,
+    config_name: str,
+    deploy_config: dict[str, Any] | None,
+    *,
+    take_count: bool = False,
 ) -> None:
     """UpdateEndpoint keeping the live variant properties (RetainAllVariantProperties): without it
     an autoscaled fleet is reset to the new config's InitialInstanceCount ("If false, uses the new
-    EndpointConfig's values", https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_UpdateEndpoint.html)."""
+    EndpointConfig's values", https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_UpdateEndpoint.html).
+
+    Retaining keeps the live instance count too, so a `--count` change would do nothing: with
+    `take_count`, ExcludeRetainedVariantProperties names DesiredInstanceCount, which "Overrides the
+    existing variant instance counts using the InitialInstanceCount values in the ProductionVariants"
+    of the new config, everything else still retained
+    (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_VariantProperty.html)."""
     kwargs: dict[str, Any] = {
         "EndpointName": endpoint,
         "EndpointConfigName": config_name,
         "RetainAllVariantProperties": True,
     }
+    if take_count:
+        kwargs["ExcludeRetainedVariantProperties"] = [{"VariantPropertyType": "DesiredInstanceCount"}]
     if deploy_config is not None:
         kwargs["DeploymentConfig"] = deploy_config
     sagemaker.update_endpoint(**kwargs)
+
+
+def mark_in_flight(sagemaker: Any, endpoint_arn: str, previous: str, target: str) -> None:
+    """Before UpdateEndpoint: remember `previous → target` on the endpoint, so that an apply re-run
+    after its CI job timed out (the endpoint now on `target`, "Already live") still smokes the new
+    config and records `previous` as the rollback target. Config names match
+    `[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}`, so a space separates them in a tag value."""
+    sagemaker.add_tags(
+        ResourceArn=endpoint_arn, Tags=[{"Key": TAG_IN_FLIGHT, "Value": f"{previous} {target}"}]
+    )
+
+
+def in_flight_from(tags: dict[str, str], target: str) -> str | None:
+    """The config an unfinished apply to `target` left, from the endpoint's tags; None if none did."""
+    previous, _, marked = tags.get(TAG_IN_FLIGHT, "").partition(" ")
+    return previous if previous and marked == target else None
+
+
+def clear_in_flight(sagemaker: Any, endpoint_arn: str) -> None:
+    sagemaker.delete_tags(ResourceArn=endpoint_arn, TagKeys=[TAG_IN_FLIGHT])
 
 
 def protect_image(ecr: Any, image: str) -> str:

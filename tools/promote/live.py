@@ -13,6 +13,7 @@ from tools.promote.errors import PromoteError
 # Tags written by `promote apply` / `promote rollback` (and, for TAG_ENDPOINT, by the stacks too).
 TAG_ENDPOINT = ENDPOINT_TAG  # on models and configs: which endpoint they belong to
 TAG_ROLLBACK = "promote:rollback-config"  # on the endpoint: the config `promote rollback` returns to
+TAG_IN_FLIGHT = "promote:apply-in-flight"  # on the endpoint while an apply runs: "<previous> <target>"
 CFN_STACK_TAG = "aws:cloudformation:stack-name"
 
 # Endpoint statuses in which an update is in flight or the service is busy with the endpoint.

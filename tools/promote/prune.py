@@ -3,9 +3,11 @@ ones the stacks retained (replaced models and configs keep UpdateReplacePolicy/D
 so an endpoint that SageMaker rolled back still has its config).
 
 Only resources tagged `promote:endpoint=<endpoint>` are candidates. Never deleted: the config the
-endpoint runs, a pending config, the rollback target, a config any other endpoint runs, and any
-model a surviving config references. An endpoint that no longer exists (its stack was deleted)
-protects nothing of its own, so everything tagged for it beyond `--keep` goes.
+endpoint runs, a pending config, the rollback target, a config any other endpoint runs, any
+model a surviving config references, and the Batch Transform Model a stack that still exists names
+in its `TransformModelName` output (no endpoint config uses it, and `decide-batch submit` runs it).
+An endpoint that no longer exists (its stack was deleted) protects nothing of its own, so everything
+tagged for it beyond `--keep` goes.
 """
 
 from __future__ import annotations
@@ -13,8 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from botocore.exceptions import ClientError
+
+from stacks.config import TRANSFORM_MODEL_OUTPUT
 from tools.promote.errors import GuardrailError
-from tools.promote.live import BUSY_STATUSES, TAG_ENDPOINT, LiveEndpoint, describe_config, tags_of
+from tools.promote.live import (
+    BUSY_STATUSES,
+    CFN_STACK_TAG,
+    TAG_ENDPOINT,
+    LiveEndpoint,
+    describe_config,
+    tags_of,
+)
 from tools.promote.spec import name_prefix
 
 
@@ -29,7 +41,28 @@ class PrunePlan:
 def _owned(
     sagemaker: Any, resources: list[dict[str, Any]], arn_key: str, endpoint: str
 ) -> list[dict[str, Any]]:
-    return [r for r in resources if tags_of(sagemaker, r[arn_key]).get(TAG_ENDPOINT) == endpoint]
+    """The resources tagged for `endpoint`, each with its tags under the key "Tags"."""
+    owned = []
+    for resource in resources:
+        tags = tags_of(sagemaker, resource[arn_key])
+        if tags.get(TAG_ENDPOINT) == endpoint:
+            owned.append({**resource, "Tags": tags})
+    return owned
+
+
+def _stack_transform_model(cloudformation: Any, stack: str, cache: dict[str, str | None]) -> str | None:
+    """The Model a live stack names in its TransformModelName output; None when the stack is gone
+    (DescribeStacks answers ValidationError "Stack with id … does not exist") or has no such output."""
+    if stack not in cache:
+        try:
+            stacks = cloudformation.describe_stacks(StackName=stack)["Stacks"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "ValidationError":
+                raise
+            stacks = []
+        outputs = {o["OutputKey"]: o["OutputValue"] for s in stacks for o in s.get("Outputs") or []}
+        cache[stack] = outputs.get(TRANSFORM_MODEL_OUTPUT)
+    return cache[stack]
 
 
 def _configs_in_use_elsewhere(sagemaker: Any, endpoint: str) -> dict[str, str]:
@@ -67,8 +100,12 @@ def _candidates(
     return _owned(sagemaker, list(listed.values()), arn_key, endpoint)
 
 
-def plan_prune(sagemaker: Any, name: str, endpoint: LiveEndpoint | None, keep: int) -> PrunePlan:
-    """Decide what to delete; changes nothing. `endpoint` is None when it does not exist any more."""
+def plan_prune(
+    sagemaker: Any, name: str, endpoint: LiveEndpoint | None, keep: int, cloudformation: Any = None
+) -> PrunePlan:
+    """Decide what to delete; changes nothing. `endpoint` is None when it does not exist any more.
+    `cloudformation` reads the stacks' TransformModelName outputs; without it, any model a stack
+    owns that no kept config uses is refused rather than risked."""
     if endpoint is not None and endpoint.status in BUSY_STATUSES:
         raise GuardrailError(
             "endpoint_busy",
@@ -115,6 +152,21 @@ def plan_prune(sagemaker: Any, name: str, endpoint: LiveEndpoint | None, keep: i
     models = _candidates(
         sagemaker, "list_models", "Models", "ModelArn", "ModelName", name, everywhere=everywhere
     )
+    stacks: dict[str, str | None] = {}
+    stack_names = {endpoint.cfn_stack} if endpoint is not None and endpoint.cfn_stack else set()
+    stack_names |= {m["Tags"][CFN_STACK_TAG] for m in models if CFN_STACK_TAG in m["Tags"]}
+    if stack_names and cloudformation is None:
+        raise GuardrailError(
+            "prune_without_cloudformation",
+            f"models of stack(s) {', '.join(sorted(stack_names))} are candidates and their "
+            "TransformModelName outputs cannot be read",
+        )
+    for stack in sorted(stack_names):
+        transform = _stack_transform_model(cloudformation, stack, stacks)
+        if transform:
+            referenced.setdefault(
+                transform, f"Batch Transform model of stack {stack} ({TRANSFORM_MODEL_OUTPUT})"
+            )
     for model in sorted(models, key=lambda m: m["CreationTime"], reverse=True):
         model_name = model["ModelName"]
         if model_name in referenced:

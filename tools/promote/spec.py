@@ -38,13 +38,20 @@ CONFIG_KEYS = (
     "ExecutionRoleArn",
     "VpcConfig",
     "EnableNetworkIsolation",
+    "MetricsConfig",
+    "CrossRegionTrafficConfig",
 )
-# Variant keys DescribeEndpointConfig returns that CreateEndpointConfig also accepts.
+# Variant keys DescribeEndpointConfig returns that CreateEndpointConfig also accepts: every member of
+# the ProductionVariant shape (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ProductionVariant.html),
+# held equal to the installed botocore's by tests/promote/test_promote_spec.py. A key left out is
+# silently dropped from the copied config (InstancePools, VariantInstanceProvisionTimeoutInSeconds were).
 VARIANT_KEYS = (
     "VariantName",
     "ModelName",
     "InitialInstanceCount",
     "InstanceType",
+    "InstancePools",
+    "VariantInstanceProvisionTimeoutInSeconds",
     "InitialVariantWeight",
     "AcceleratorType",
     "CoreDumpConfig",
@@ -56,6 +63,8 @@ VARIANT_KEYS = (
     "ManagedInstanceScaling",
     "RoutingConfig",
     "InferenceAmiVersion",
+    "CapacityReservationConfig",
+    "AcceleratorPartitionLayouts",
 )
 
 
