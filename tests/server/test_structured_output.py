@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 from server_helpers import assert_error_body
 
+from tools.bench.constraint_engines import anyof_ref_chain
 from tools.local_server import LocalServer, remote_server, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
@@ -79,22 +80,6 @@ def _still_serving(server: LocalServer) -> None:
     assert plain.status_code == 200, plain.text
 
 
-def _chain(depth: int) -> dict[str, Any]:
-    """`anyOf` over look-alike objects, each reaching the next level again through `$ref`: the
-    GBNF parser kept every alternative alive and doubled its stacks per level."""
-    defs = {}
-    for level in range(depth):
-        inner = {"$ref": f"#/$defs/n{level + 1}"} if level + 1 < depth else {"type": "string"}
-        defs[f"n{level}"] = {
-            "anyOf": [
-                {"type": "object", "properties": {"a": inner, "b": {"type": "integer"}}},
-                {"type": "object", "properties": {"a": inner, "c": {"type": "integer"}}},
-                {"type": "object", "properties": {"a": inner}},
-            ]
-        }
-    return {"$ref": "#/$defs/n0", "$defs": defs}
-
-
 HOSTILE = {
     "nul_in_enum": {"type": "object", "properties": {"k": {"enum": ["a\u0000b", "c"]}}, "required": ["k"]},
     "nul_in_const": {"type": "object", "properties": {"k": {"const": {"x": "\u0000"}}}, "required": ["k"]},
@@ -104,7 +89,7 @@ HOSTILE = {
     "deep_max_length": {"type": "object", "properties": {"a": {"type": "string", "maxLength": 200_000}}},
     "deep_max_items": {"type": "array", "items": {"type": "integer"}, "maxItems": 200_000},
     "nested_quantifiers": {"type": "string", "pattern": "^((a{1000}){1000}){1000}$"},
-    "anyof_ref_chain": _chain(40),
+    "anyof_ref_chain": anyof_ref_chain(40),
     "unsupported_keyword": {"type": "object", "if": {"required": ["a"]}, "then": {}},
 }
 
