@@ -168,3 +168,23 @@ def test_helpers() -> None:
     assert payload_limit(settings, {}) == 6 * 1024 * 1024
     assert payload_limit(settings, {"SAGEMAKER_MAX_PAYLOAD_IN_MB": "20"}) == 20 * 1024 * 1024
     assert records_in_flight(settings) == 8 and records_in_flight(_settings(queue_size=0)) == 1
+
+
+def test_a_record_larger_than_one_request_fails_alone_before_it_is_parsed() -> None:
+    """A payload may be up to MaxPayloadInMB (100 MB), but each record is one request: one past the
+    real-time body cap gets its own 413 line, unparsed, and the records beside it are answered."""
+    engine = FakeEngine()
+    settings = _settings(queue_size=4, max_body_bytes=4096)
+    with TestClient(create_app(settings, loader=lambda _: engine)) as client:
+        deadline = time.monotonic() + 5
+        while client.get("/ping").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        huge = json.dumps({**GOOD, "state": "x" * 8192}).encode()  # valid JSON, one request too large
+        payload = b"\n".join([json.dumps(GOOD).encode(), huge, b"{not json" + b" " * 8192])
+        assert len(payload) < payload_limit(settings, {})  # the payload as a whole is accepted
+        lines = _lines(client.post("/invocations", content=payload, headers=JSONL))
+    assert len(lines) == 3
+    assert "billing" in json.dumps(lines[0]) and "error" not in lines[0]
+    for line in lines[1:]:  # refused by size, before parsing: even the malformed one says so
+        assert_error_body(line, "record_too_large")

@@ -7,7 +7,9 @@ OpenAI decision or a `/v1/systemone/batch` body). The answer has one line per in
 same order: the route's response, or the usual error body for that record alone. The invocation
 itself answers 200 unless the payload as a whole cannot be read (too large, bad encoding): Batch
 Transform fails the whole job on a failed invocation, so one malformed ticket must never do that.
-The payload is read, and each record parsed and planned, in the server's intake
+A record is one request, so it has a real-time request's size cap (`DECIDER_MAX_BODY_BYTES`),
+checked before it is parsed: a larger one gets a `record_too_large` line (413). The payload is read,
+and each record parsed and planned, in the server's intake
 (decider.server.intake): on its low-priority threads, within `DECIDER_PARSE_CONCURRENCY` places
 shared with every other request.
 
@@ -35,6 +37,7 @@ from decider.errors import (
     DeadlineExceededError,
     DeciderError,
     OverloadedError,
+    PayloadTooLargeError,
     RequestError,
     UnavailableError,
 )
@@ -191,6 +194,12 @@ class _Invocation:
         if not record.strip():
             raise RequestError(
                 f"line {index + 1} is empty; send one JSON request per line", code="empty_record"
+            )
+        if len(record) > self.settings.max_body_bytes:  # before any parsing: a record is one request
+            raise PayloadTooLargeError(
+                f"line {index + 1} is {len(record)} bytes, larger than one request may be "
+                f"({self.settings.max_body_bytes} bytes, DECIDER_MAX_BODY_BYTES); split it into smaller records",
+                code="record_too_large",
             )
         engine = self.runtime.require_engine()
         limits = {
