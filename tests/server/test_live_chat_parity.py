@@ -75,6 +75,29 @@ def test_logprobs_and_top_logprobs(live_server: LocalServer) -> None:
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content
 
 
+def test_logprobs_stop_with_the_text_a_stop_string_cut(live_server: LocalServer) -> None:
+    """A stop string cuts the tokens that spell it: their logprobs go with their text (as
+    llama-server drops them), plain and streamed, and usage still counts every generated token."""
+    client = _client(live_server)
+    params = {**GREEDY, "max_tokens": 12}
+    free = client.chat.completions.create(**params).choices[0].logprobs.content
+    spelled = [bytes(entry.bytes).decode(errors="replace") for entry in free]
+    start = next(
+        i for i in range(2, len(spelled) - 1)
+        if spelled[i].strip() and (spelled[i] + spelled[i + 1]) not in "".join(spelled[:i])
+    )
+    stop = spelled[start] + spelled[start + 1]
+    completion = client.chat.completions.create(**params, stop=[stop])
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and stop not in choice.message.content
+    entries = choice.logprobs.content
+    assert b"".join(bytes(entry.bytes) for entry in entries).decode() == choice.message.content
+    assert completion.usage is not None and completion.usage.completion_tokens > len(entries)
+    streamed, text, completion_tokens = _streamed(client, {**params, "stop": [stop]})
+    assert b"".join(bytes(entry.bytes) for entry in streamed).decode() == text
+    assert completion_tokens > len(streamed)
+
+
 def test_greedy_chats_agree_bit_for_bit_with_batch_invariant_kernels(invariant_server: LocalServer) -> None:
     """With DECIDER_BATCH_INVARIANT=true the same greedy chat, plain, streamed and without logprobs,
     gives the same tokens and the same log-probabilities, however many requests came before."""

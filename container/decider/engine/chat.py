@@ -232,7 +232,13 @@ class ChatWork:
         self._sampler: Any = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stops = StopFilter(plan.stop)
-        self.logprobs: list[chat_options.TokenLogprob] = []  # with plan.top_logprobs, one per token
+        # With plan.top_logprobs: one per token whose text was emitted. A token's entry waits in
+        # _held_logprobs (with the offset where its text starts) while a stop string may still cut
+        # its text; one the cut removed entirely is dropped, as its text is.
+        self.logprobs: list[chat_options.TokenLogprob] = []
+        self._held_logprobs: list[tuple[int, chat_options.TokenLogprob]] = []
+        self._decoded_chars = 0
+        self._emitted_chars = 0
         # Kept across requests (decider.engine.prefix_cache): the caches (seen at the first step),
         # the kept turn it copied (pinned while it runs), the prompt tokens that covered, the
         # generated tokens its sequence holds (decoded), whether it kept a turn of its own, and
@@ -426,15 +432,17 @@ class ChatWork:
                 constraint.accept(token)
             except ConstraintFailedError as exc:
                 raise _constraint_failed(exc) from None
-        if self.plan.top_logprobs is not None:  # before the text event that carries this token
+        if self.plan.top_logprobs is not None:  # released with the text event that carries this token
             logits = raw if raw is not None else runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
-            self.logprobs.append(
-                chat_options.token_logprobs(logits, token, self.plan.top_logprobs, runtime.piece)
-            )
+            entry = chat_options.token_logprobs(logits, token, self.plan.top_logprobs, runtime.piece)
+            self._held_logprobs.append((self._decoded_chars, entry))
         self._produced += 1
-        text, stop_hit = self._stops.push(self._decoder.decode(runtime.piece(token)))
+        decoded = self._decoder.decode(runtime.piece(token))
+        self._decoded_chars += len(decoded)
+        text, stop_hit = self._stops.push(decoded)
         self._say(text)
         if stop_hit:
+            self._held_logprobs.clear()  # their text was cut with the stop string
             self._end(step.memory, step.seqs, "stop", flush=False)
         elif self._produced >= self.plan.max_tokens:
             self._end(step.memory, step.seqs, "length")
@@ -444,6 +452,9 @@ class ChatWork:
     def _say(self, text: str) -> None:
         if text:
             self._parts.append(text)
+            self._emitted_chars += len(text)
+            while self._held_logprobs and self._held_logprobs[0][0] < self._emitted_chars:
+                self.logprobs.append(self._held_logprobs.pop(0)[1])
             if self._emit is not None:
                 self._emit(GenerationEvent(text=text))
 
@@ -458,6 +469,9 @@ class ChatWork:
             # Whatever was held back as a possible stop prefix (or an unfinished character) is text.
             text, stop_hit = self._stops.push(self._decoder.decode(b"", final=True))
             self._say(text if stop_hit else text + self._stops.flush())
+            if not stop_hit:  # every token's text is out now (tokens of no text of their own too)
+                self.logprobs.extend(entry for _, entry in self._held_logprobs)
+            self._held_logprobs.clear()
         self._finish = reason
         if not self._cut:
             self._keep_turn()

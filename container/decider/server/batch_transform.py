@@ -198,7 +198,8 @@ class _Invocation:
         if len(record) > self.settings.max_body_bytes:  # before any parsing: a record is one request
             raise PayloadTooLargeError(
                 f"line {index + 1} is {len(record)} bytes, larger than one request may be "
-                f"({self.settings.max_body_bytes} bytes, DECIDER_MAX_BODY_BYTES); split it into smaller records",
+                f"({self.settings.max_body_bytes} bytes, DECIDER_MAX_BODY_BYTES); split it into smaller "
+                "records",
                 code="record_too_large",
             )
         engine = self.runtime.require_engine()
