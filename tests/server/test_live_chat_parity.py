@@ -83,7 +83,8 @@ def test_logprobs_stop_with_the_text_a_stop_string_cut(live_server: LocalServer)
     free = client.chat.completions.create(**params).choices[0].logprobs.content
     spelled = [bytes(entry.bytes).decode(errors="replace") for entry in free]
     start = next(
-        i for i in range(2, len(spelled) - 1)
+        i
+        for i in range(2, len(spelled) - 1)
         if spelled[i].strip() and (spelled[i] + spelled[i + 1]) not in "".join(spelled[:i])
     )
     stop = spelled[start] + spelled[start + 1]
