@@ -46,6 +46,7 @@ class CacheBudget:
     state_seqs: int = 0
     repeat_entries: int = 0
     host_bytes: int = 0  # kept states saved to host memory when evicted (0: no host tier)
+    partial_hits: bool = True  # an entry may serve a prompt that shares only its beginning
 
     @property
     def states(self) -> bool:
@@ -179,6 +180,14 @@ class Settings(BaseSettings):
         "whenever state_cache_cells or state_cache_seqs is (and so with batch_invariant). Default 2048: "
         "llama-server's 8192 would be half the 16 GiB of the GPU instance (ml.g6.xlarge), which also holds "
         "the server, the mapped model file and the request bodies; a ~300-token SmolLM2 state takes ~7 MB.",
+    )
+    cache_partial_hits: bool = Field(
+        True,
+        description="Whether a kept state or chat turn may serve a prompt that shares only its beginning "
+        "(at least 16 tokens; attention-only models): a growing transcript decodes only what was added. "
+        "false: exact hits only. A partial hit tells its caller, through cached_tokens and latency, how "
+        "many leading tokens its prompt shares with a prompt another request of the same cache space "
+        "sent: see docs/security.md, 'Callers and the caches'.",
     )
     repeat_cache_entries: int = Field(
         4096,
@@ -372,7 +381,11 @@ class Settings(BaseSettings):
         """What the engine keeps across requests (state_cache_cells resolved)."""
         cells = self.state_cache_cells if self.state_cache_cells is not None else self.n_ctx // 4
         return CacheBudget(
-            cells, self.state_cache_seqs, self.repeat_cache_entries, self.state_cache_host_mib * 1024 * 1024
+            cells,
+            self.state_cache_seqs,
+            self.repeat_cache_entries,
+            self.state_cache_host_mib * 1024 * 1024,
+            partial_hits=self.cache_partial_hits,
         )
 
     @property

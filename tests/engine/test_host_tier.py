@@ -67,9 +67,9 @@ def test_an_evicted_state_is_saved_and_restored_with_its_own_head_where_copies_c
     cache, pool, memory, metrics = tiered(partial=False)
     a, b = [1] * 20, [2] * 20
     cache.store(a, seq=5)
-    saved_seq = cache._entries[(STATE, tuple(a))].seq
+    saved_seq = cache._entries[(STATE, "", tuple(a))].seq
     cache.store(b, seq=5)  # one kept sequence: `a` gives way to `b`, saved first
-    assert ("save", saved_seq) in memory.ops and (STATE, tuple(a)) in cache.host and len(cache) == 1
+    assert ("save", saved_seq) in memory.ops and (STATE, "", tuple(a)) in cache.host and len(cache) == 1
     assert saves(metrics) == 1 and count(metrics, "decider_cache_host_bytes") == 100
     assert cache.lookup([*a, 9], boundary=20) is None  # no step to restore it in: the kept entries only
     assert cache.peek([*a, 9], boundary=20) == 20  # admission counts it as a hit: it decodes nothing
@@ -81,7 +81,7 @@ def test_an_evicted_state_is_saved_and_restored_with_its_own_head_where_copies_c
     assert memory.ops[-1] == ("restore", entry.seq, saved_seq)
     # Its sequence holds every position from 0: the head's 10 cells are its own, not the head's.
     assert entry.head_cells == 10 and entry.cells == cache.cells == 30 and step.cells_left == 70
-    assert list(cache._entries) == [(STATE, tuple(a))] and saves(metrics) == 2  # `b` went, saved
+    assert list(cache._entries) == [(STATE, "", tuple(a))] and saves(metrics) == 2  # `b` went, saved
     assert count(metrics, "decider_cache_host_restores_total", cache="state", outcome="hit") == 1
     assert count(metrics, "decider_cache_stores_total", cache="state") == 2  # a restore is no store
 
@@ -100,7 +100,7 @@ def test_where_copies_can_be_cut_a_restored_state_shares_the_head_again() -> Non
     cache, pool, memory, _metrics = tiered(partial=True)
     a = list(range(20))
     cache.store(a, seq=5)
-    saved_seq = cache._entries[(STATE, tuple(a))].seq
+    saved_seq = cache._entries[(STATE, "", tuple(a))].seq
     cache.store(list(range(100, 120)), seq=5)
     step = step_of(cache, pool, memory, cells_left=100)
     grown = [*a[:18], 7, 7]
@@ -139,7 +139,7 @@ def test_host_memory_is_a_byte_budget_least_recently_used() -> None:
 
     memory.saved_bytes = 300  # larger than the whole budget: not saved, nothing else evicted for it
     cache.store([9] * 20, seq=5)
-    assert (STATE, tuple(states[3])) not in host and host.bytes == 200 and saves(metrics) == 3
+    assert (STATE, "", tuple(states[3])) not in host and host.bytes == 200 and saves(metrics) == 3
 
     memory.saved_bytes = 100
     step = step_of(cache, pool, memory)
@@ -173,7 +173,7 @@ def test_a_restore_that_would_make_the_unit_wait_is_a_miss() -> None:
     cache.store(b, seq=5)  # kept: 20 cells the step may evict
     step = step_of(cache, pool, memory, cells_left=40)
     assert cache.lookup([*a, 9], boundary=20, room=step, then=51) is None  # 30 + 31 > 40 + 20
-    assert list(cache._entries) == [(STATE, tuple(b))] and step.cells_left == 40
+    assert list(cache._entries) == [(STATE, "", tuple(b))] and step.cells_left == 40
     step.starts_allowed = False  # the gate is closed: nothing starts in this step
     assert cache.lookup([*a, 9], boundary=20, room=step, then=0) is None
     step.starts_allowed = True
@@ -266,7 +266,7 @@ def test_an_evicted_state_comes_back_from_host_memory(one_kept: DecisionEngine) 
     body = unique(EXAMPLE)
     decide(engine, body)
     plan = engine.plan_decision(parse_decision_request(body))
-    key = (STATE, tuple(plan.states[0].prompt.tokens))
+    key = (STATE, "", tuple(plan.states[0].prompt.tokens))
     decide(engine, unique(EXAMPLE))  # the one kept sequence goes to this state: `body`'s is saved
     assert key not in states._entries and key in states.host
 
@@ -309,3 +309,17 @@ def test_the_host_tier_is_off_with_its_setting_at_zero_and_with_batch_invariance
     assert Settings(model_path="/m.gguf").cache_budget.host
     assert not Settings(model_path="/m.gguf", state_cache_host_mib=0).cache_budget.host
     assert not Settings(model_path="/m.gguf", state_cache_seqs=0).cache_budget.host
+
+
+def test_a_saved_entry_keeps_its_cache_space() -> None:
+    """A state saved to host memory and restored still serves only the space that kept it."""
+    cache, pool, memory, _metrics = tiered(partial=False)
+    a = [1] * 20
+    cache.store(a, seq=5, space="tenant-a")
+    cache.store([2] * 20, seq=5)  # one kept sequence: `a` is saved
+    assert (STATE, "tenant-a", tuple(a)) in cache.host
+    step = step_of(cache, pool, memory)
+    assert cache.peek([*a, 9], boundary=20) == 0
+    assert cache.lookup([*a, 9], boundary=20, room=step, then=25) is None
+    hit = cache.lookup([*a, 9], boundary=20, space="tenant-a", room=step, then=25)
+    assert hit is not None and hit.length == 20 and hit.entry.space == "tenant-a"

@@ -122,6 +122,25 @@ def test_partial_hits_take_the_longest_common_prefix_and_cut_the_copy() -> None:
     assert cache.lookup([*range(MIN_PARTIAL_HIT - 1), 999], boundary=None) is None  # too short to pay
 
 
+def test_an_entry_serves_only_the_cache_space_that_kept_it() -> None:
+    """docs/security.md: a request of one space never hits (nor sees the length of) another's
+    entry, by exact or partial hit, through a look-up or admission's peek; its own space hits."""
+    cache, _pool, _memory = kept(partial=True, max_cells=200)
+    state, turn = list(range(40)), list(range(200, 260))
+    cache.store(state, seq=5, space="a")
+    cache.store(turn, seq=5, kind=CHAT, space="a")
+    for space in ("", "b"):
+        assert cache.lookup([*state, 1], boundary=40, space=space) is None
+        assert cache.lookup([*state[:30], 7], boundary=None, space=space) is None
+        assert cache.peek([*state, 1], boundary=40, space=space) == 0
+        assert cache.lookup([*turn, 1], boundary=None, kind=CHAT, space=space) is None
+    assert cache.lookup([*state, 1], boundary=40, space="a").length == 40
+    assert cache.lookup([*state[:30], 7], boundary=None, space="a").length == 30
+    assert cache.peek([*turn, 1], boundary=None, kind=CHAT, space="a") == 60
+    assert cache.store(state, seq=5)  # the same tokens in the default space: an entry of its own
+    assert len(cache) == 3 and cache.lookup([*state, 1], boundary=40).entry.space == ""
+
+
 def test_entries_are_evicted_least_recently_used_and_pinned_ones_never() -> None:
     cache, _pool, _memory = kept(partial=False, max_seqs=2)
     a, b, c = [1] * 20, [2] * 20, [3] * 20
@@ -130,9 +149,9 @@ def test_entries_are_evicted_least_recently_used_and_pinned_ones_never() -> None
     hit = cache.lookup([*a, 9], boundary=20)  # a is used again: b is now the oldest
     cache.take(hit, 1)
     assert cache.store(c, seq=5)
-    assert {tokens for _, tokens in cache._entries} == {tuple(a), tuple(c)}
+    assert {tokens for _, _, tokens in cache._entries} == {tuple(a), tuple(c)}
     cache.store(b, seq=5)  # a is pinned: c goes
-    assert {tokens for _, tokens in cache._entries} == {tuple(a), tuple(b)}
+    assert {tokens for _, _, tokens in cache._entries} == {tuple(a), tuple(b)}
     cache.unpin(hit.entry)
     assert cache.spare_seqs == 2 and cache.cells == 40
 
@@ -222,7 +241,7 @@ def test_admission_peeks_at_what_was_published() -> None:
     )
     cache.evict_one()
     assert cache.peek([*state, 1], boundary=40) == 0 and [key for key, _ in cache._published] == [
-        (CHAT, tuple(turn))
+        (CHAT, "", tuple(turn))
     ]
 
 
@@ -345,7 +364,7 @@ def test_a_kept_state_is_copied_and_only_the_new_tokens_are_decoded(
         assert not engine.runtime.partial_reuse
         # The prefill stopped at the boundary, where the state was kept whole (never cut).
         plan = engine.plan_decision(parse_decision_request(first))
-        assert ("state", tuple(plan.states[0].prompt.tokens)) in engine._local.loop.caches.states._entries
+        assert ("state", "", tuple(plan.states[0].prompt.tokens)) in engine._local.loop.caches.states._entries
     else:
         reference = decide(smollm2_uncached, again)
         assert_agree(distributions(hit), distributions(reference))
@@ -461,7 +480,7 @@ def test_a_cancelled_request_unpins_the_state_it_copied(qwen35: DecisionEngine) 
     decide(qwen35, body)
     states = qwen35._local.loop.caches.states
     plan = qwen35.plan_decision(parse_decision_request(body))
-    entry = states._entries[("state", tuple(plan.states[0].prompt.tokens))]
+    entry = states._entries[("state", "", tuple(plan.states[0].prompt.tokens))]
     runtime = qwen35.runtime
     real = runtime.decode
     seen: dict[str, Any] = {}
@@ -615,3 +634,10 @@ def test_kept_chat_turns_give_way_to_a_chat_that_needs_their_cells(qwen35_path: 
         assert engine.generate(story, max_tokens=2)[1] in ("stop", "length")
         assert all(states._entries.get(turn.key) is not turn for turn in turns) and states.cells <= 700
         assert_released(engine)
+
+
+def test_partial_hits_follow_their_setting(smollm2: DecisionEngine, smollm2_path: Path) -> None:
+    """DECIDER_CACHE_PARTIAL_HITS=false leaves SmolLM2 (which allows them) exact hits only."""
+    assert smollm2._local.loop.caches.states.partial
+    for engine in load(smollm2_path, cache_partial_hits=False):
+        assert not engine._local.loop.caches.states.partial

@@ -118,3 +118,55 @@ def test_a_chat_turn_reports_what_it_copied_from_the_turn_before(live_server: Lo
     assert grew(before, after, "decider_cache_stores_total", "chat") == 3
     assert grew(before, after, "decider_cache_evictions_total", "chat") >= 2  # each turn replaced
     assert grew(before, after, "decider_cache_tokens_total", "chat") >= cached + streamed
+
+
+def test_a_cache_salt_keeps_callers_apart(live_server: LocalServer) -> None:
+    """docs/security.md, "Callers and the caches": a state kept under one salt (in the body, or in
+    SageMaker's custom-attributes header) serves that salt only; no salt is the shared space."""
+    url = f"{live_server.base_url}/v1/decisions"
+    text = state()
+
+    def cached(question: int, salt: str | None = None, header: str | None = None) -> int:
+        body: dict[str, Any] = {"model": "m", "input": text, "questions": [OPENAI_QUESTIONS[question]]}
+        if salt is not None:
+            body["cache_salt"] = salt
+        headers = {"X-Amzn-SageMaker-Custom-Attributes": header} if header else {}
+        reply = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["input_tokens_details"]["cached_tokens"]
+
+    assert cached(0, salt="tenant-a") == 0
+    assert cached(1) == 0  # the shared space never saw it
+    assert cached(1, salt="tenant-b") == 0
+    assert cached(1, header="trace=1; cache_salt=tenant-a") == 0  # a header salt is not a body salt
+    assert cached(1, salt="tenant-a") > 10  # its own space: the kept state serves it
+    assert cached(0, header="cache_salt=tenant-a") > 10  # kept by the header-only request above
+    for bad in ({"cache_salt": ""}, {"cache_salt": 7}, {"cache_salt": "x" * 257}):
+        refused = httpx.post(url, json={"model": "m", "input": text, "questions": OPENAI_QUESTIONS, **bad})
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_cache_salt"
+    twice = {"X-Amzn-SageMaker-Custom-Attributes": "cache_salt=a;cache_salt=b"}
+    body = {"model": "m", "input": text, "questions": OPENAI_QUESTIONS}
+    refused = httpx.post(url, json=body, headers=twice)
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_cache_salt"
+
+
+def test_every_route_takes_a_cache_salt(live_server: LocalServer) -> None:
+    """The Jev route and chat take the field too (strict request schemas would refuse it)."""
+    jev = httpx.post(
+        f"{live_server.base_url}/v1/systemone",
+        json={"state": state(), "questions": DECISION["questions"], "cache_salt": "t", "extensions": True},
+        timeout=60,
+    )
+    assert jev.status_code == 200 and jev.json()["extensions"]["cached_tokens"] == 0, jev.text
+    chat = httpx.post(
+        f"{live_server.base_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": state()}], "max_tokens": 2, "cache_salt": "t"},
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    refused = httpx.post(
+        f"{live_server.base_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "cache_salt": ["t"]},
+        timeout=60,
+    )
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_cache_salt"

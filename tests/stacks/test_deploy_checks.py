@@ -971,3 +971,19 @@ def test_the_guard_runs_before_the_image_build_and_the_staging(fixture, request)
         assert long_running, name
         for logical_id, resource in long_running.items():
             assert guard_id in _depends_on(resource), f"{name}: {logical_id} does not wait for the guard"
+
+
+def test_the_guard_fingerprint_changes_with_the_variant_the_model_and_the_image():
+    """The snapshots mask the fingerprint (it hashes the image tag); this holds what it follows:
+    a changed variant setting, model or image re-runs the guard, an unchanged config does not."""
+    from stacks.config import load_config
+    from stacks.deploy_time_build import guard_fingerprint
+    from stacks.synth import cdk_json_context
+
+    config = load_config(cdk_json_context())
+    base = guard_fingerprint(config.cpu, config.model, "cpu-" + "a" * 64)
+    assert base == guard_fingerprint(config.cpu, config.model, "cpu-" + "a" * 64)
+    assert base != guard_fingerprint(config.cpu, config.model, "cpu-" + "b" * 64)
+    assert base != guard_fingerprint(config.gpu, config.model, "cpu-" + "a" * 64)
+    more = config.cpu.model_copy(update={"initial_instance_count": config.cpu.initial_instance_count + 1})
+    assert base != guard_fingerprint(more, config.model, "cpu-" + "a" * 64)

@@ -40,6 +40,7 @@ CONFIG_KEYS = (
     "EnableNetworkIsolation",
     "MetricsConfig",
     "CrossRegionTrafficConfig",
+    "TracingConfig",
 )
 # Variant keys DescribeEndpointConfig returns that CreateEndpointConfig also accepts: every member of
 # the ProductionVariant shape (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ProductionVariant.html),

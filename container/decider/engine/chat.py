@@ -69,6 +69,7 @@ class ChatPlan:
     # Where the messages end and the generation prompt begins (tokens): the turn kept on models that
     # take exact hits only. None: nothing is kept at a boundary (attention-only models keep the end).
     boundary: int | None = None
+    space: str = ""  # the request's cache space: kept turns serve only their own (prefix_cache)
 
     @property
     def cost(self) -> Cost:
@@ -261,7 +262,11 @@ class ChatWork:
     def costs_given(self, caches: Caches | None) -> tuple[Cost, Cost]:
         """Its costs less the prompt tokens a kept turn holds now (a peek: an estimate)."""
         states = caches.states if caches is not None else None
-        cached = states.peek(self.plan.prompt, self.plan.boundary, kind=CHAT) if states is not None else 0
+        cached = (
+            states.peek(self.plan.prompt, self.plan.boundary, kind=CHAT, space=self.plan.space)
+            if states is not None
+            else 0
+        )
         self._expected_cached = cached  # read by `cost_left` until it starts
         return self.plan.cost_given(cached), self.plan.least_cost_given(cached)
 
@@ -366,7 +371,9 @@ class ChatWork:
         self._caches = step.caches
         kept, prompt = self._kept(), self.plan.prompt
         hit = (
-            kept.lookup(prompt, self.plan.boundary, kind=CHAT, room=step, then=len(prompt))
+            kept.lookup(
+                prompt, self.plan.boundary, kind=CHAT, space=self.plan.space, room=step, then=len(prompt)
+            )
             if kept is not None
             else None
         )
@@ -403,7 +410,9 @@ class ChatWork:
         kept, boundary = self._kept(), self.plan.boundary
         if kept is not None and not kept.partial and self._prefilled == boundary and self.cached < boundary:
             assert self._seq is not None
-            self._kept_boundary = kept.store(self.plan.prompt[:boundary], self._seq, kind=CHAT)
+            self._kept_boundary = kept.store(
+                self.plan.prompt[:boundary], self._seq, kind=CHAT, space=self.plan.space
+            )
         if last:
             self._sampled(step, done)
 
@@ -489,7 +498,13 @@ class ChatWork:
         self._unpin()
         if kept.partial and self._seq is not None:
             tokens = [*self.plan.prompt, *self._fed]
-            if kept.adopt(tokens, self._seq, prompt_tokens=len(self.plan.prompt), replaces=continued):
+            if kept.adopt(
+                tokens,
+                self._seq,
+                prompt_tokens=len(self.plan.prompt),
+                replaces=continued,
+                space=self.plan.space,
+            ):
                 self._seq = None  # the cache's now: not released
         elif self._kept_boundary and continued is not None:
             kept.drop(continued)

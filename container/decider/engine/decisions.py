@@ -134,6 +134,7 @@ class DecisionPlan:
     head_tokens: int
     batch: bool = False
     planned_tokens: int = 0  # tokens planning tokenized and holds (decider.engine.request_size)
+    space: str = ""  # the request's cache space: kept states serve only their own (prefix_cache)
 
     @property
     def cost_tokens(self) -> int:

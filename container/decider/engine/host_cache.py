@@ -16,7 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-Key = tuple[str, tuple[int, ...]]  # (kind, tokens), as decider.engine.prefix_cache keys its entries
+# (kind, space, tokens), as decider.engine.prefix_cache keys its entries
+Key = tuple[str, str, tuple[int, ...]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,10 +29,11 @@ class SavedState:
     data: bytes
     start: int  # the position of tokens[0] (a state's follow the prompt head)
     prompt_tokens: int
+    space: str = ""  # the cache space of the requests that kept it (decider.engine.prefix_cache)
 
     @property
     def key(self) -> Key:
-        return (self.kind, self.tokens)
+        return (self.kind, self.space, self.tokens)
 
     @property
     def cells(self) -> int:

@@ -104,7 +104,7 @@ class EngineLoop:
                 head=len(self._head),
                 max_cells=budget.state_cells,
                 max_seqs=budget.state_seqs,
-                partial=bool(getattr(backend, "partial_reuse", False)),
+                partial=budget.partial_hits and bool(getattr(backend, "partial_reuse", False)),
                 metrics=self._metrics,
                 host=HostCache(budget.host_bytes, metrics=self._metrics) if budget.host else None,
             )

@@ -46,6 +46,13 @@ removed and the head sequence's cells shared again; elsewhere (recurrent and sli
 the entry keeps its own head and counts its cells (`CachedState.head_cells`). Admission's `peek`
 sees the saved entries as hits (they decode nothing).
 
+Cache spaces. Every entry belongs to the space of the request that kept it, and serves only
+requests of the same space: the default space `""`, or the one a request names (its `cache_salt`,
+decider.server.cache_scope). A kept state serves any request whose prefix it begins, and the response
+says how many tokens it covered, so callers that share a space can confirm each other's states (token
+by token, where partial hits are on): callers that are not one trust domain use spaces of their own.
+Exact repeats are keyed under the space too.
+
 Exact repeats (`RepeatCache`). The raw label readouts (logits, log-normalizers) of one prompt, keyed
 by a digest of the model, the prompt version, the whole prompt's tokens, the label tokens and the
 readout spec. A request asking the same question on the same state again reads them back and
@@ -69,7 +76,7 @@ from decider.invariance import HEAD_SEQ
 MIN_PARTIAL_HIT = 16  # a shorter common prefix saves less than the copy and the bookkeeping cost
 STATE = "state"  # a decision state: its tokens follow the prompt head
 CHAT = "chat"  # a chat turn: its tokens start at position 0
-Key = tuple[str, tuple[int, ...]]  # (kind, tokens)
+Key = tuple[str, str, tuple[int, ...]]  # (kind, space, tokens)
 Candidate = tuple[Key, int]  # an entry's key and the fewest tokens a hit on it must cover
 
 
@@ -133,10 +140,11 @@ class CachedState:
     # a copy of the prompt head of its own (the head's cells are not the head sequence's), so it
     # holds these cells too (`StateCache._restore`).
     head_cells: int = 0
+    space: str = ""  # the cache space of the request that kept it: it serves only that space
 
     @property
     def key(self) -> Key:
-        return (self.kind, self.tokens)
+        return (self.kind, self.space, self.tokens)
 
     @property
     def floor(self) -> int:
@@ -229,6 +237,7 @@ class StateCache:
         boundary: int | None,
         *,
         kind: str = STATE,
+        space: str = "",
         room: Room | None = None,
         then: int = 0,
     ) -> StateHit | None:
@@ -240,30 +249,35 @@ class StateCache:
         them, the `then` cells the unit reserves on a miss, less what the entry covers, are free
         (evicting unpinned kept entries), and a sequence too; else the kept entries' hit stands.
         The one rule of both call sites (a decision state's start, a chat's)."""
-        hit = self._hit(self._candidates(), prefix, boundary, kind)
+        hit = self._hit(self._candidates(), prefix, boundary, kind, space)
         if room is None or self.host is None:
             return hit
-        found = best_hit(self._saved_candidates(), kind, prefix, boundary, self.partial)
+        found = best_hit(self._saved_candidates(), kind, prefix, boundary, self.partial, space)
         if found is None or (hit is not None and found[1] <= hit.length):
             return hit
         saved = self.host.get(found[0])
         assert saved is not None
         restored = self._restore(saved, room, max(0, then - found[1]))
         if restored is None:  # making room may have evicted the kept hit: look again
-            return self._hit(self._candidates(), prefix, boundary, kind)
+            return self._hit(self._candidates(), prefix, boundary, kind, space)
         return StateHit(restored, found[1])
 
     def _hit(
-        self, candidates: tuple[Candidate, ...], prefix: Sequence[int], boundary: int | None, kind: str
+        self,
+        candidates: tuple[Candidate, ...],
+        prefix: Sequence[int],
+        boundary: int | None,
+        kind: str,
+        space: str,
     ) -> StateHit | None:
-        found = best_hit(candidates, kind, prefix, boundary, self.partial)
+        found = best_hit(candidates, kind, prefix, boundary, self.partial, space)
         return StateHit(self._entries[found[0]], found[1]) if found is not None else None
 
-    def peek(self, prefix: Sequence[int], boundary: int | None, *, kind: str = STATE) -> int:
+    def peek(self, prefix: Sequence[int], boundary: int | None, *, kind: str = STATE, space: str = "") -> int:
         """Tokens of `prefix` a lookup would serve now, for admission on the event loop: read from the
         keys published after the last change (an immutable tuple), so it never races the engine
         thread; an estimate (the entry may be gone when the work starts)."""
-        found = best_hit(self._published, kind, prefix, boundary, self.partial)
+        found = best_hit(self._published, kind, prefix, boundary, self.partial, space)
         return found[1] if found is not None else 0
 
     def take(self, hit: StateHit, seq: int) -> None:
@@ -284,12 +298,14 @@ class StateCache:
         assert entry.pins >= 0, "an entry was unpinned more often than pinned"
 
     # --- keeping ---------------------------------------------------------------------------------
-    def store(self, tokens: Sequence[int], seq: int, *, longer: bool = False, kind: str = STATE) -> bool:
+    def store(
+        self, tokens: Sequence[int], seq: int, *, longer: bool = False, kind: str = STATE, space: str = ""
+    ) -> bool:
         """Keep a copy of `seq`, which holds `tokens` (after the head, for a state; and more after
         them if `longer`: the copy is cut, on models that allow it). False when it did not fit (or
         is already kept): a cache never takes what running work needs."""
-        key = (kind, tuple(tokens))
-        if not self._make_room(key, len(key[1])):
+        key = (kind, space, tuple(tokens))
+        if not self._make_room(key, len(key[2])):
             return False
         copy = self._pool.take_free()
         if copy is None:
@@ -298,12 +314,18 @@ class StateCache:
         start = self.head if kind == STATE else 0
         if longer:
             assert self.partial, "only a model that allows partial hits may cut a copy"
-            self._memory.seq_truncate(copy, start + len(key[1]))
-        self._add(CachedState(key[1], copy, kind=kind, start=start, prompt_tokens=len(key[1])))
+            self._memory.seq_truncate(copy, start + len(key[2]))
+        self._add(CachedState(key[2], copy, kind=kind, start=start, prompt_tokens=len(key[2]), space=space))
         return True
 
     def adopt(
-        self, tokens: Sequence[int], seq: int, *, prompt_tokens: int, replaces: CachedState | None = None
+        self,
+        tokens: Sequence[int],
+        seq: int,
+        *,
+        prompt_tokens: int,
+        replaces: CachedState | None = None,
+        space: str = "",
     ) -> bool:
         """Keep `seq` itself as a chat turn holding `tokens` (its prompt's `prompt_tokens`, then what
         it generated) from position 0: a finished chat hands its sequence over, nothing is copied.
@@ -311,10 +333,10 @@ class StateCache:
         keeps its latest turn. False when it does not fit: the caller still owns `seq`."""
         if replaces is not None:
             self.drop(replaces)
-        key = (CHAT, tuple(tokens))
-        if not self._make_room(key, len(key[1])):
+        key = (CHAT, space, tuple(tokens))
+        if not self._make_room(key, len(key[2])):
             return False
-        self._add(CachedState(key[1], seq, kind=CHAT, start=0, prompt_tokens=prompt_tokens))
+        self._add(CachedState(key[2], seq, kind=CHAT, start=0, prompt_tokens=prompt_tokens, space=space))
         return True
 
     def _make_room(self, key: Key, cells: int) -> bool:
@@ -360,7 +382,9 @@ class StateCache:
         if self.host is None or self.host.get(entry.key) is not None:
             return
         data = self._memory.seq_save(entry.seq)
-        self.host.put(SavedState(entry.kind, entry.tokens, data, entry.start, entry.prompt_tokens))
+        self.host.put(
+            SavedState(entry.kind, entry.tokens, data, entry.start, entry.prompt_tokens, space=entry.space)
+        )
 
     def _restore(self, saved: SavedState, room: Room, then: int) -> CachedState | None:
         """Keep `saved` again in a free sequence; None (a miss: nothing is held, nothing leaks) when its
@@ -395,6 +419,7 @@ class StateCache:
             start=saved.start,
             prompt_tokens=saved.prompt_tokens,
             head_cells=own_head,
+            space=saved.space,
         )
         self._add(entry, stored=False)
         self._metrics.cache_host_restores.labels(saved.kind, "hit").inc()
@@ -414,10 +439,16 @@ class StateCache:
 
 
 def best_hit(
-    candidates: Iterable[Candidate], kind: str, prefix: Sequence[int], boundary: int | None, partial: bool
+    candidates: Iterable[Candidate],
+    kind: str,
+    prefix: Sequence[int],
+    boundary: int | None,
+    partial: bool,
+    space: str = "",
 ) -> tuple[Key, int] | None:
     """The key among `candidates` whose entry serves the most of `prefix`, and how many tokens: the
-    one rule of `StateCache.lookup` and `StateCache.peek`.
+    one rule of `StateCache.lookup` and `StateCache.peek`. Only entries of the request's `kind` and
+    cache `space` serve it.
 
     - exact, a state: the entry is the request's prefix up to its own canonical `boundary`;
     - exact, a chat turn: the entry begins the prompt and leaves one token of it at least to decode
@@ -433,8 +464,8 @@ def best_hit(
     wanted = tuple(prefix)
     best: tuple[Key, int] | None = None
     for key, floor in candidates:
-        entry_kind, tokens = key
-        if entry_kind != kind:
+        entry_kind, entry_space, tokens = key
+        if entry_kind != kind or entry_space != space:
             continue
         length = 0
         size = len(tokens)

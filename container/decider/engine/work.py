@@ -300,7 +300,7 @@ class DecisionWork:
             state.repeated += len(item.tokens)
 
     def _digest(self, state: _StateRun, caches: Caches) -> Any:
-        namespace = f"{caches.namespace}|extensions={bool(self.plan.options.extensions)}"
+        namespace = f"{caches.namespace}|extensions={bool(self.plan.options.extensions)}|{self.plan.space}"
         return prompt_digest(namespace, state.plan.prefix)
 
     @staticmethod
@@ -317,7 +317,11 @@ class DecisionWork:
         cached: list[int] = []
         repeated: list[set[int]] = []
         for state in self.states:
-            cached.append(caches.states.peek(state.plan.prefix, state.boundary) if caches.states else 0)
+            cached.append(
+                caches.states.peek(state.plan.prefix, state.boundary, space=self.plan.space)
+                if caches.states
+                else 0
+            )
             answered: set[int] = set()
             if caches.repeats is not None and state.plan.items:
                 digest = self._digest(state, caches)
@@ -352,7 +356,7 @@ class DecisionWork:
         cells = state.prefix_cells + state.largest_item if state.streaming else state.need
         hit = None
         if kept is not None:
-            hit = kept.lookup(state.plan.prefix, state.boundary, room=step, then=cells)
+            hit = kept.lookup(state.plan.prefix, state.boundary, space=self.plan.space, room=step, then=cells)
         cached = hit.length if hit is not None else 0
         if hit is not None:
             hit.entry.pins += 1
@@ -387,7 +391,10 @@ class DecisionWork:
             return
         if state.prefilled == state.boundary or (kept.partial and state.prefilled == len(state.plan.prefix)):
             kept.store(
-                state.plan.prefix[: state.boundary], state.seq, longer=state.prefilled > state.boundary
+                state.plan.prefix[: state.boundary],
+                state.seq,
+                longer=state.prefilled > state.boundary,
+                space=self.plan.space,
             )
 
     def _plan_shared(self, state: _StateRun, step: Step) -> None:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from decider.errors import RequestError
+from decider.schemas.cache_salt import SALT_FIELD_SCHEMA
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length"]
@@ -67,6 +68,8 @@ class ChatCompletionRequest(BaseModel):
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # checked where the cache space is read (decider.schemas.cache_salt: one error code on every route)
+    cache_salt: Any = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     # null means the default for these (clients send it), hence `| None` in the documented schema

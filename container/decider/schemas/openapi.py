@@ -22,10 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from decider import __version__
+from decider.schemas.cache_salt import SALT_FIELD_SCHEMA
 from decider.schemas.chat import ChatCompletion, ChatCompletionRequest
 from decider.schemas.decision import BatchDecisionResponse, DecisionResponse
 
 Json = Any  # any JSON value (a state, instructions, an option's description)
+CacheSalt = Any  # checked by decider.schemas.cache_salt, documented as SALT_FIELD_SCHEMA
 
 
 class _Open(BaseModel):
@@ -49,6 +51,7 @@ class JevDecisionBody(_Open):
     extensions: bool = False
     permutations: int = Field(1, ge=1)
     mode: Literal["shared", "fresh"] | None = None
+    cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
 class JevBatchBody(_Open):
@@ -60,6 +63,7 @@ class JevBatchBody(_Open):
     extensions: bool = False
     permutations: int = Field(1, ge=1)
     mode: Literal["shared", "fresh"] | None = None
+    cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
 class OpenAIQuestion(_Open):
@@ -76,6 +80,7 @@ class OpenAIDecisionBody(_Open):
     input: str | list[dict[str, Json]]
     questions: list[OpenAIQuestion] = Field(min_length=1, max_length=400)
     model: str | None = None
+    cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
 class OpenAIDecision(_Open):

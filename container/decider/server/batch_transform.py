@@ -41,6 +41,7 @@ from decider.errors import (
     RequestError,
     UnavailableError,
 )
+from decider.schemas.cache_salt import cache_space
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.schemas.openai_decisions import parse_openai_decision_request
 from decider.server.answers import decision_response
@@ -222,14 +223,17 @@ class _Invocation:
                 )
             if target == "batch":
                 parsed = parse_batch_request(body, max_states=self.settings.max_batch_states, **limits)
-                return engine.plan_batch(parsed)
-            if target == "openai_decision":
+                plan = engine.plan_batch(parsed)
+            elif target == "openai_decision":
                 translated = parse_openai_decision_request(body, **limits)
                 try:
-                    return engine.plan_decision(translated.request)
+                    plan = engine.plan_decision(translated.request)
                 except RequestError as exc:
                     raise translated.relocate(exc) from None
-            return engine.plan_decision(parse_decision_request(body, **limits))
+            else:
+                plan = engine.plan_decision(parse_decision_request(body, **limits))
+            plan.space = cache_space(body)  # a record's own cache_salt (Batch Transform sends no header)
+            return plan
 
         async with self.runtime.intake.slot(refuse=False):
             plan = await self.runtime.intake.run(prepare)

@@ -8,6 +8,7 @@ request's token count, which is what its wait and its own cost are estimated fro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ from decider.engine.chat import ChatPlan
 from decider.engine.generation import GenerationEvent
 from decider.engine.jobs import ClientGoneError, Job, deadline_error
 from decider.errors import DeciderError, RequestError, internal_error
+from decider.schemas.cache_salt import cache_space
 from decider.schemas.chat import (
     AssistantMessage,
     ChatCompletion,
@@ -107,7 +109,9 @@ async def handle_decision(runtime: ServerRuntime, request: Request, body: Any) -
     engine = runtime.require_engine()
 
     def prepare() -> Any:
-        return engine.plan_decision(parse_decision_request(body, **_limits(runtime)))
+        plan = engine.plan_decision(parse_decision_request(body, **_limits(runtime)))
+        plan.space = cache_space(body, request.headers)
+        return plan
 
     return await _decide(runtime, request, engine, prepare)
 
@@ -117,7 +121,9 @@ async def handle_batch(runtime: ServerRuntime, request: Request, body: Any) -> R
     max_states = runtime.settings.max_batch_states
 
     def prepare() -> Any:
-        return engine.plan_batch(parse_batch_request(body, max_states=max_states, **_limits(runtime)))
+        plan = engine.plan_batch(parse_batch_request(body, max_states=max_states, **_limits(runtime)))
+        plan.space = cache_space(body, request.headers)
+        return plan
 
     return await _decide(runtime, request, engine, prepare)
 
@@ -132,9 +138,11 @@ async def handle_openai_decision(runtime: ServerRuntime, request: Request, body:
         nonlocal translated
         translated = parse_openai_decision_request(body, **_limits(runtime))
         try:
-            return engine.plan_decision(translated.request)
+            plan = engine.plan_decision(translated.request)
         except RequestError as exc:  # engine limits name internal fields: point them at OpenAI's
             raise translated.relocate(exc) from None
+        plan.space = cache_space(body, request.headers)
+        return plan
 
     response = await execute_decision(runtime, request, engine, prepare)
     return JSONResponse(translated.response(response))
@@ -192,6 +200,7 @@ async def handle_chat(runtime: ServerRuntime, request: Request, body: Any) -> Re
             stop=chat.stop_list(),
             seed=chat.seed,
         )
+        plan = dataclasses.replace(plan, space=cache_space(body, request.headers))
         # response_format constraint (checked, compiled, its first mask: before the deadline), logprobs
         return chat, with_chat_options(engine, chat, plan, runtime.settings.grammar_limits, deadline=deadline)
 
