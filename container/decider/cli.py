@@ -8,8 +8,11 @@ followed by a non-zero exit; `/ping` never reports healthy in that case.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import faulthandler
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +22,7 @@ from decider import __version__
 from decider.errors import EXIT_INVALID_SETTINGS
 from decider.settings import Settings
 
+PR_SET_PDEATHSIG = 1
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -32,9 +36,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "command",
         nargs="?",
         default="serve",
-        choices=["serve"],
-        help="optional; SageMaker starts containers as `docker run IMAGE serve`",
+        choices=["serve", "engine"],
+        help="optional; SageMaker starts containers as `docker run IMAGE serve`. `engine` is the child "
+        "the front starts (DECIDER_SUPERVISE): the same server, on --socket",
     )
+    parser.add_argument("--socket", help="engine: the Unix socket to serve on")
     parser.add_argument("--version", action="version", version=f"decider {__version__}")
     return parser.parse_args(argv)
 
@@ -65,8 +71,20 @@ def configure_logging(level: str = "info") -> None:
         logging.getLogger(name).setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
 
 
+def _die_with_parent() -> None:
+    """The engine child gets SIGTERM when the front is gone, however it went (Linux's
+    PR_SET_PDEATHSIG; elsewhere the child outlives a killed front)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    _parse_args(argv)
+    args = _parse_args(argv)
+    if args.command == "engine":
+        if not args.socket:
+            print("serve engine: --socket is required", file=sys.stderr)
+            return EXIT_INVALID_SETTINGS
+        _die_with_parent()
     # A native crash (llama.cpp, CUDA) then leaves every thread's Python stack on stderr, which
     # SageMaker sends to CloudWatch with the rest of the log.
     faulthandler.enable(all_threads=True)
@@ -78,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup failed: %s", describe_settings_error(exc))
         return EXIT_INVALID_SETTINGS
     configure_logging(settings.log_level)
-    from decider.server.batch_transform import batch_settings  # SAGEMAKER_BATCH=true: the job's deadline
+    from decider.server.batch_settings import batch_settings  # SAGEMAKER_BATCH=true: the job's deadline
 
     try:
         settings = batch_settings(settings)
@@ -94,7 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.queue_size,
         settings.deadline_seconds,
     )
-    from decider.server.serve import run  # imported late: keeps `serve --help` and setting errors fast
+    if args.command == "engine":
+        from decider.server.serve import run  # imported late: keeps `serve --help` and setting errors fast
+
+        return run(settings, uds=args.socket)
+    if settings.supervise:
+        from decider.server.supervisor import run_front  # never imports the engine
+
+        return run_front(settings)
+    from decider.server.serve import run
 
     return run(settings)
 

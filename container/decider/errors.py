@@ -164,6 +164,7 @@ class UnavailableError(DeciderError):
 EXIT_STARTUP_FAILED = 1  # the model or a setting the engine checks cannot be used
 EXIT_INVALID_SETTINGS = 2  # a DECIDER_* variable does not validate
 EXIT_LOAD_CRASHED = 3  # loading the model killed the probe process (a native crash in llama.cpp)
+EXIT_ENGINE_CRASHING = 4  # the engine process kept dying: the front gave up (decider.server.supervisor)
 
 
 class StartupError(Exception):

@@ -325,6 +325,12 @@ class Settings(BaseSettings):
         description="Load the model once in a child process first (decider.engine.load_probe): a native "
         "crash at load becomes one log line with the signal and the settings, and exit status 3.",
     )
+    supervise: bool = Field(
+        True,
+        description="Run the engine in a child process that the HTTP front restarts when it dies (a "
+        "native crash answers the requests it was running 503 engine_restarted instead of ending the "
+        "container; decider.server.supervisor). false: one process, as before.",
+    )
     cpu_probe_cache: str = Field(
         "/tmp/decider/cpu-variant.json",  # noqa: S108 - the container's own scratch space
         description="Where the CPU-variant probe's verdict is cached (keyed by the CPU's flags, the "

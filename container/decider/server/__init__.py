@@ -1,5 +1,3 @@
-"""The HTTP layer: SageMaker's hosting contract plus the decision and OpenAI chat routes."""
-
-from decider.server.app import create_app
-
-__all__ = ["create_app"]
+"""The HTTP layer: SageMaker's hosting contract plus the decision and OpenAI chat routes
+(decider.server.app), and the front process that keeps the engine in a child
+(decider.server.supervisor). Nothing is imported here: the front must not load the engine."""

@@ -18,6 +18,7 @@ import asyncio
 import datetime as dt
 import hmac
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -55,29 +56,34 @@ from decider.server.routing import (
     target_from_body,
 )
 from decider.server.runtime import EngineLoader, ServerRuntime, load_engine
+from decider.server.supervisor import REQUEST_ID_HEADER, WAITED_HEADER
 from decider.settings import Settings
 
 log = logging.getLogger("decider.server")
 access_log = logging.getLogger("decider.access")
 QUIET_PATHS = frozenset({"/ping", "/metrics"})
+REQUEST_ID = re.compile(r"[0-9a-f]{32}")
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention, for logs and metrics only
 
 
 class RequestContextMiddleware:
     """Request id, SageMaker response attributes, metrics, access log, and a JSON 500 of last resort."""
 
-    def __init__(self, app: ASGIApp, runtime: ServerRuntime) -> None:
+    def __init__(self, app: ASGIApp, runtime: ServerRuntime, behind_front: bool = False) -> None:
         self.app = app
         self.runtime = runtime
+        self.behind_front = behind_front
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = uuid.uuid4().hex
+        request_id, waited = uuid.uuid4().hex, 0.0
+        if self.behind_front:  # on the front's Unix socket: its id, and its arrival time
+            request_id, waited = from_front(Headers(scope=scope), request_id)
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
-        state["arrived_at"] = time.monotonic()  # the deadline runs from here (SageMaker's 60 s do)
+        state["arrived_at"] = time.monotonic() - waited  # the deadline runs from here (SageMaker's 60 s do)
         path: str = scope["path"]
         started = time.perf_counter()
         status = 500
@@ -133,6 +139,14 @@ class RequestContextMiddleware:
                 elapsed * 1000,
                 f" route={state['invocation_target']}" if "invocation_target" in state else "",
             )
+
+
+def from_front(headers: Headers, default_id: str) -> tuple[str, float]:
+    """The request id and the seconds already spent that the front sent (decider.server.supervisor)."""
+    given = headers.get(REQUEST_ID_HEADER, "")
+    request_id = given if REQUEST_ID.fullmatch(given) else default_id
+    waited = headers.get(WAITED_HEADER, "")
+    return request_id, min(int(waited), 3_600_000) / 1000 if waited.isdigit() else 0.0
 
 
 class ApiKeyMiddleware:
@@ -209,8 +223,10 @@ def create_app(
     *,
     loader: EngineLoader = load_engine,
     on_fatal: Callable[[str], None] | None = None,
+    behind_front: bool = False,
 ) -> Starlette:
-    """Build the app; the model starts loading when the ASGI lifespan starts."""
+    """Build the app; the model starts loading when the ASGI lifespan starts. `behind_front`: the
+    engine child of decider.server.supervisor, which takes the front's request ids."""
     runtime = ServerRuntime(settings, loader=loader)
     limit = settings.max_body_bytes
 
@@ -351,7 +367,9 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         middleware=[
-            Middleware(RequestContextMiddleware, runtime=runtime),  # outermost: ids and metrics for 401s too
+            Middleware(
+                RequestContextMiddleware, runtime=runtime, behind_front=behind_front
+            ),  # outermost: ids and metrics for 401s too
             Middleware(ApiKeyMiddleware, api_key=settings.api_key),
         ],
         exception_handlers={
