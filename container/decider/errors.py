@@ -159,6 +159,17 @@ class UnavailableError(DeciderError):
     retryable = True
 
 
+def shutting_down() -> UnavailableError:
+    """SIGTERM arrived: what cannot finish within the drain is refused, to be retried elsewhere."""
+    return UnavailableError("the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+
+
+def model_loading() -> UnavailableError:
+    return UnavailableError(
+        "the model is still loading", code="model_unavailable", headers={"Retry-After": "2"}
+    )
+
+
 # `serve`'s exit statuses: each cause of a failed start has its own, so an orchestrator (or a person
 # reading CloudWatch) can tell them apart without parsing the log.
 EXIT_STARTUP_FAILED = 1  # the model or a setting the engine checks cannot be used

@@ -241,7 +241,8 @@ def test_a_load_that_crashes_the_probe_is_one_line_with_the_signal_and_settings_
 
 
 def test_serve_turns_faulthandler_on_so_a_native_crash_leaves_a_python_stack(tmp_path: Path) -> None:
-    script = "import faulthandler, sys; from decider import cli; cli._parse_args = lambda a: None; "
+    script = "import argparse, faulthandler, sys; from decider import cli; "
+    script += "cli._parse_args = lambda a: argparse.Namespace(command='serve', socket=None); "
     script += (
         "cli.configure_logging = lambda *a: sys.exit(0 if faulthandler.is_enabled() else 7); cli.main([])"
     )

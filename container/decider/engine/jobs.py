@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from decider.engine.cost import Cost
-from decider.errors import DeadlineExceededError, UnavailableError
+from decider.errors import DeadlineExceededError, UnavailableError, shutting_down  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:  # work.py imports admission.py, which builds jobs
     from decider.engine.work import Work
@@ -85,10 +85,6 @@ def deadline_error(job: Job, deadline_seconds: float) -> DeadlineExceededError:
         code="deadline_exceeded",
         retryable=waited >= RETRYABLE_WAIT_FRACTION * deadline_seconds,
     )
-
-
-def shutting_down() -> UnavailableError:
-    return UnavailableError("the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
 
 
 def resolve(future: Future[Any], result: Any = None, *, error: BaseException | None = None) -> None:

@@ -35,8 +35,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from decider.engine.jobs import shutting_down
-from decider.errors import AuthenticationError, DeciderError, NotFoundError, RequestError, internal_error
+from decider.errors import (
+    AuthenticationError,
+    DeciderError,
+    NotFoundError,
+    RequestError,
+    internal_error,
+    shutting_down,
+)
 from decider.schemas.openapi import openapi_document
 from decider.server.batch_transform import handle_execution_parameters, handle_jsonlines, is_jsonlines
 from decider.server.body import read_payload

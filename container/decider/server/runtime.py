@@ -16,10 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from decider.engine.jobs import shutting_down
 from decider.engine.loop import Backend
 from decider.engine.scheduler import Scheduler
-from decider.errors import EXIT_STARTUP_FAILED, StartupError, UnavailableError
+from decider.errors import EXIT_STARTUP_FAILED, StartupError, UnavailableError, model_loading, shutting_down
 from decider.server.intake import Intake
 from decider.server.metrics import ServerMetrics
 from decider.settings import Settings
@@ -170,9 +169,7 @@ class ServerRuntime:
                 code="engine_failed",
                 headers={"Retry-After": "1"},
             )
-        raise UnavailableError(
-            "the model is still loading", code="model_unavailable", headers={"Retry-After": "2"}
-        )
+        raise model_loading()
 
     def served_model_id(self) -> str:
         return self.require_engine().model_info.id

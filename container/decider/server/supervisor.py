@@ -51,7 +51,14 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from decider.errors import EXIT_ENGINE_CRASHING, DeciderError, RequestError, UnavailableError
+from decider.errors import (
+    EXIT_ENGINE_CRASHING,
+    DeciderError,
+    RequestError,
+    UnavailableError,
+    model_loading,
+    shutting_down,
+)
 from decider.server.batch_settings import payload_limit
 from decider.server.body import read_body
 from decider.server.lifecycle import DrainingServer, uvicorn_server
@@ -64,6 +71,7 @@ CRASH_WINDOW_S = 300.0
 POISON_CRASHES = 2  # running at this many crashes in a row: refused from then on
 KEPT_FINGERPRINTS = 1024
 READY_POLL_S = 0.05
+ANSWERED, LOST, NOT_SENT = "answered", "lost", "not sent"  # what became of a relayed request
 STOP_WAIT_S = 10.0  # after the drain, for the child to exit on SIGTERM before it is killed
 # Set by the front, read by a child behind it (decider.server.app): one request id in both logs,
 # and the deadline counted from the front's arrival (time spent waiting for a restart included).
@@ -314,10 +322,34 @@ class Supervisor:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.monotonic()
         request_id = uuid.uuid4().hex
-        path: str = scope["path"]
-        if path == "/ping" and not self.serving.is_set():
+        if scope["path"] == "/ping" and not self.serving.is_set():
             await self._ping_while_down(send, request_id)
             return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._relay(scope, receive, tracked, request_id, arrived)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs when DECIDER_SHUTDOWN_GRACE_SECONDS ran out after SIGTERM
+            # (the child then sees its connection go, and stops the work): the caller gets the error body
+            log.warning(
+                "request %s %s %s cut off: the shutdown grace period ran out",
+                request_id,
+                scope["method"],
+                scope["path"],
+            )
+            if not started:
+                await _send_error(send, shutting_down(), request_id)
+
+    async def _relay(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str, arrived: float
+    ) -> None:
+        path: str = scope["path"]
         try:
             # the largest body any route takes: what the front may hold; the child applies each route's own
             body = await read_body(Request(scope, receive), self._body_cap)
@@ -328,11 +360,28 @@ class Supervisor:
                     "refused so that it cannot keep restarting the engine",
                     code="request_crashes_engine",
                 )
-            await self._wait_serving(arrived)
         except DeciderError as exc:
             await _send_error(send, exc, request_id)
             return
-        running = Running(scope["method"], path, body, self.generation)
+        refused_by: int | None = None  # a child that refused the connection: it never saw the request
+        while True:
+            try:
+                await self._wait_serving(arrived, after=refused_by)
+            except DeciderError as exc:
+                await _send_error(send, exc, request_id)
+                return
+            running = Running(scope["method"], path, body, self.generation)
+            outcome = await self._run(scope, receive, send, request_id, running, arrived)
+            if outcome != NOT_SENT:
+                break
+            refused_by = running.generation  # dead, not noticed yet: the next child gets it
+        if outcome == ANSWERED:
+            self.ledger.answered(path, body)
+
+    async def _run(
+        self, scope: Scope, receive: Receive, send: Send, request_id: str, running: Running, arrived: float
+    ) -> str:
+        """The relay raced with the caller going away (which closes the child's connection too)."""
         proxy = asyncio.ensure_future(self._proxy(scope, send, request_id, running, arrived))
         gone = asyncio.ensure_future(_disconnected(receive))
         self.running[request_id] = running
@@ -344,8 +393,7 @@ class Supervisor:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await proxy
-        if not proxy.cancelled() and proxy.exception() is None and proxy.result():
-            self.ledger.answered(path, body)
+        return proxy.result() if not proxy.cancelled() and proxy.exception() is None else LOST
 
     async def _ping_while_down(self, send: Send, request_id: str) -> None:
         if self.ever_ready and not self.gave_up and not self.stopping:
@@ -355,27 +403,25 @@ class Supervisor:
             body = {"status": "stopping" if self.stopping or self.gave_up else "loading"}
         await _send_json(send, status, body, request_id, {"Retry-After": "2"} if status == 503 else {})
 
-    async def _wait_serving(self, arrived: float) -> None:
-        if self.serving.is_set():
+    async def _wait_serving(self, arrived: float, *, after: int | None = None) -> None:
+        """Until a child serves (one newer than `after`), within the request's deadline."""
+        if self.serving.is_set() and self.generation != after:
             return
-        if not self.ever_ready or self.gave_up or self.stopping:
-            raise UnavailableError(
-                "the model is loading"
-                if not self.ever_ready and not self.gave_up
-                else "the server is stopping",
-                code="model_unavailable" if not self.ever_ready else "shutting_down",
-                headers={"Retry-After": "2"},
-            )
-        left = self.settings.deadline_seconds - (time.monotonic() - arrived)
-        try:
-            await asyncio.wait_for(self.serving.wait(), max(0.0, left))
-        except TimeoutError:
-            raise engine_restarted("died and was not back within the request's deadline") from None
+        if not self.ever_ready and not self.gave_up:
+            raise model_loading()
+        deadline = arrived + self.settings.deadline_seconds
+        while not (self.serving.is_set() and self.generation != after):
+            if self.gave_up or self.stopping:
+                raise shutting_down()
+            if time.monotonic() >= deadline:
+                raise engine_restarted("died and was not back within the request's deadline")
+            await asyncio.sleep(READY_POLL_S)
 
     async def _proxy(
         self, scope: Scope, send: Send, request_id: str, running: Running, arrived: float
-    ) -> bool:
-        """Relay one request to the child and its answer back; True when the child answered."""
+    ) -> str:
+        """Relay one request to the child and its answer back: ANSWERED, LOST (the child died under
+        it: 503 sent) or NOT_SENT (no connection: the child never saw it, nothing was sent back)."""
         assert self._client is not None
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
         headers += [
@@ -390,10 +436,12 @@ class Supervisor:
         )
         try:
             response = await self._client.send(upstream, stream=True)
+        except httpx.ConnectError:
+            return NOT_SENT
         except httpx.TransportError:
             self.lost[request_id] = running
             await _send_error(send, engine_restarted("died while running this request"), request_id)
-            return False
+            return LOST
         try:
             out = [
                 (k.encode("latin-1"), v.encode("latin-1"))
@@ -407,13 +455,13 @@ class Supervisor:
                 except httpx.TransportError:
                     self.lost[request_id] = running
                     await _send_error(send, engine_restarted("died while running this request"), request_id)
-                    return False
+                    return LOST
                 if running.path == "/metrics" and response.status_code == 200:
                     content += generate_latest(self.registry)  # the front's counters, kept across children
                 out.append((b"content-length", str(len(content)).encode()))
                 await send({"type": "http.response.start", "status": response.status_code, "headers": out})
                 await send({"type": "http.response.body", "body": content})
-                return True
+                return ANSWERED
             await send({"type": "http.response.start", "status": response.status_code, "headers": out})
             try:
                 async for chunk in response.aiter_raw():
@@ -430,9 +478,9 @@ class Supervisor:
                     }
                 )
                 await send({"type": "http.response.body", "body": b""})
-                return False
+                return LOST
             await send({"type": "http.response.body", "body": b""})
-            return True
+            return ANSWERED
         finally:
             await response.aclose()
 
