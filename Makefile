@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-bad-input bench-abort bench-host-tier bench-kv-span fuzz soak llama-server bench-gpu image image-test game-day clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-front bench-bad-input bench-abort bench-host-tier bench-kv-span fuzz soak llama-server bench-gpu image image-test game-day clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -58,6 +58,10 @@ bench-engine: setup
 # ARGS="--levels multi_turn" (or repeat, hybrid, traffic) runs one level alone (tools/bench/server.py).
 bench-server: setup
 	$(BIN)/python -m tools.bench.server $(ARGS)
+
+# What the front process (DECIDER_SUPERVISE) costs: the same requests with and without it (tools/bench/front_cost.py).
+bench-front: setup
+	$(BIN)/python -m tools.bench.front_cost $(ARGS)
 
 # A ~3,000-token decision alone, then while 4 clients post ~4 MB bodies that must be refused:
 # slowdown, refusal statuses, peak RSS (tools/bench/bad_input.py; ARGS="--state-tokens 300" for a small run).
