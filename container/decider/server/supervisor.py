@@ -374,6 +374,9 @@ class Supervisor:
             outcome = await self._run(scope, receive, send, request_id, running, arrived)
             if outcome != NOT_SENT:
                 break
+            if path == "/ping":  # SageMaker waits 2 s for a ping: say what is happening instead
+                await self._ping_while_down(send, request_id)
+                return
             refused_by = running.generation  # dead, not noticed yet: the next child gets it
         if outcome == ANSWERED:
             self.ledger.answered(path, body)
