@@ -68,12 +68,14 @@ bench-front: setup
 bench-bad-input: setup
 	$(BIN)/python -m tools.bench.bad_input $(ARGS)
 
-# The OpenAPI fuzz, longer than in `make test` (tests/server/test_openapi.py: 200 examples per operation).
+# The OpenAPI fuzz, longer than in `make test` (tests/server/test_openapi.py: 200 examples per operation),
+# then every SchemaStore schema as a chat response_format (tools/fuzz/schema_corpus.py; FUZZ_ARGS="--sample 40").
 fuzz: setup
 	mkdir -p runs && rm -f runs/fuzz-summary.txt
 	DECIDER_FUZZ_EXAMPLES=$${DECIDER_FUZZ_EXAMPLES:-200} DECIDER_FUZZ_SUMMARY=$(CURDIR)/runs/fuzz-summary.txt \
 		$(BIN)/pytest -n 0 -q tests/server/test_openapi.py
 	@echo "answers by operation, status and code (runs/fuzz-summary.txt):"; cat runs/fuzz-summary.txt
+	$(BIN)/python -m tools.fuzz.schema_corpus $(FUZZ_ARGS)
 
 # The mixed-traffic soak with locust, 10 minutes (tools/soak/; MINUTES=1 for a short try). Never in `make test`.
 MINUTES ?= 10

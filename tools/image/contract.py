@@ -217,10 +217,11 @@ def wait_for_ping(container: Container, base_url: str, timeout: float = READY_TI
 
 
 def vm_rss_mib(container: Container) -> float | None:
-    """Resident memory of the container's PID 1 (the server), from /proc/1/status."""
-    result = container.exec("cat", "/proc/1/status")
-    match = re.search(r"^VmRSS:\s+(\d+) kB", result.stdout, re.M)
-    return int(match.group(1)) / 1024 if match else None
+    """Resident memory of the container's processes (the front, PID 1, and its engine child), from
+    /proc/*/status."""
+    result = container.exec("sh", "-c", "cat /proc/[0-9]*/status 2>/dev/null")
+    sizes = [int(kb) for kb in re.findall(r"^VmRSS:\s+(\d+) kB", result.stdout, re.M)]
+    return sum(sizes) / 1024 if sizes else None
 
 
 def check_main_container(

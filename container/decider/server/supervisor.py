@@ -202,6 +202,13 @@ class Supervisor:
         self._keeper = asyncio.ensure_future(self._keep_engine())
 
     async def _keep_engine(self) -> None:
+        try:
+            await self._keep_engine_running()
+        except Exception:  # a bug here must not leave a front that holds the port and serves nothing
+            log.exception("the front's engine keeper failed: stopping")
+            self._give_up(EXIT_ENGINE_CRASHING)
+
+    async def _keep_engine_running(self) -> None:
         env = dict(os.environ)
         while not self.stopping:
             started = time.monotonic()
@@ -226,6 +233,8 @@ class Supervisor:
             if self.stopping:
                 return
             if not served:  # it never served: restarting cannot help (its own log line says why)
+                if self.ever_ready:
+                    log.error("the engine process died again before it served (status %d): stopping", code)
                 self._give_up(code if code > 0 else EXIT_ENGINE_CRASHING)
                 return
             if code in (0, -signal.SIGTERM, -signal.SIGINT):  # told to stop (the process group was): so do we

