@@ -103,10 +103,32 @@ def test_a_token_the_mask_did_not_allow_is_a_typed_failure() -> None:
     ],
 )
 def test_refusals_are_typed_and_name_the_field(schema: Any, code: str, path: tuple) -> None:
+    """`strict`: a keyword llguidance does not enforce is refused, by name."""
     with pytest.raises(ConstraintError) as refused:
-        compile_constraint(FAKE, schema)
+        compile_constraint(FAKE, schema, strict=True)
     assert (refused.value.code, refused.value.path) == (code, path), str(refused.value)
     assert str(refused.value).encode("utf-8")  # the message is text: it can be sent
+    if "if" not in json.dumps(schema):  # what no mode can use is refused without `strict` too
+        with pytest.raises(ConstraintError) as again:
+            compile_constraint(FAKE, schema)
+        assert again.value.code == code
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"if": {"type": "string"}, "then": {"minLength": 2}},
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 2}]},  # not disjoint
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "not": {"required": ["x"]}},
+    ],
+)
+def test_without_strict_what_cannot_be_enforced_is_left_out(schema: Any) -> None:
+    """Best effort, as llama-server's converter: the schema compiles, with the keyword left out."""
+    compile_constraint(FAKE, schema)
+    with pytest.raises(ConstraintError) as refused:
+        compile_constraint(FAKE, schema, strict=True)
+    assert refused.value.code == INVALID
 
 
 def test_nested_quantifiers_are_lazy_and_bounds_are_typed() -> None:

@@ -231,3 +231,28 @@ def test_a_bound_hit_mid_answer_ends_that_chat_typed_plain_and_streamed() -> Non
         assert errors and errors[0]["error"]["code"] == "response_format_too_complex"
         _still_serving(server)
         assert "Traceback" not in server.logs()
+
+
+def test_without_strict_a_keyword_that_cannot_be_enforced_is_left_out(live_server: LocalServer) -> None:
+    """Best effort, as llama-server: `uniqueItems` and `oneOf` over overlapping alternatives compile
+    without `strict` (refused by name with it); a `strict` that is no boolean is refused."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "id": {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 2}]},
+        },
+    }
+    url = f"{live_server.base_url}/v1/chat/completions"
+    base = {"messages": [{"role": "user", "content": "JSON."}], "max_tokens": 16, "temperature": 0}
+    for strict, status in ((None, 200), (False, 200), (True, 422), ("yes", 422)):
+        spec: dict[str, Any] = {"name": "t", "schema": schema}
+        if strict is not None:
+            spec["strict"] = strict
+        response = httpx.post(
+            url, json={**base, "response_format": {"type": "json_schema", "json_schema": spec}}
+        )
+        assert response.status_code == status, (strict, response.text)
+        if status == 422:
+            code = "invalid_response_format" if strict is True else "invalid_parameter"
+            assert response.json()["error"]["code"] == code, response.text

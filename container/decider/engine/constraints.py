@@ -53,6 +53,12 @@ Path = tuple[str | int, ...]
 # newline and up to 20 spaces or tabs.
 SCHEMA_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[ ]"}
 JSON_OBJECT_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[ ]|\n[ \t]{0,20}"}
+# Without `json_schema.strict: true`, what llguidance cannot enforce is left out rather than refused,
+# as llama-server's converter leaves out what it does not know: keywords it does not implement
+# (`uniqueItems`, `not`, `if`/`then`, `propertyNames`, `dependencies`: `lenient`), and `oneOf` taken
+# as `anyOf` (`coerce_one_of`: the output matches one alternative at least, maybe more). Greedy
+# output on a schema it enforces whole is the same either way. docs/structured-output.md.
+BEST_EFFORT: dict[str, Any] = {"lenient": True, "coerce_one_of": True}
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 TOO_COMPLEX = "response_format_too_complex"
@@ -229,10 +235,12 @@ def compile_constraint(
     limits: GrammarLimits | None = None,
     *,
     deadline: float | None = None,
+    strict: bool = False,
 ) -> Constraint:
     """A Constraint for a JSON schema (None: `json_object`, any JSON object), its first mask
     computed. ConstraintError (or GrammarLimitError from the size checks) when it cannot be used;
-    TimeoutError when `deadline` (time.monotonic) passes between phases."""
+    TimeoutError when `deadline` (time.monotonic) passes between phases. `strict` (the request's
+    `json_schema.strict`): refuse what cannot be enforced instead of leaving it out (BEST_EFFORT)."""
     limits = limits or GrammarLimits()
     source = JSON_OBJECT_SCHEMA if schema is None else schema
     if schema is not None:
@@ -243,7 +251,7 @@ def compile_constraint(
         except SchemaCheckError as exc:
             raise ConstraintError(str(exc), INVALID, exc.path) from None
     _check_deadline(deadline)
-    grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(source, schema is None))
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(source, schema is None, strict=strict))
     matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=parser_limits(limits))
     if matcher.is_error():
         raise _compile_error(matcher.get_error(), source)
@@ -257,13 +265,19 @@ def compile_constraint(
     return constraint
 
 
-def lark_grammar(schema: dict[str, Any], json_object: bool = False) -> str:
+def lark_grammar(schema: dict[str, Any], json_object: bool = False, *, strict: bool = False) -> str:
     """The llguidance grammar for a schema: its JSON Schema support (`%json`) with our whitespace
     (the caller's own `x-guidance` options are replaced), and `no_forcing`: every token whose
     bytes fit is allowed, as the GBNF sampler allowed them. (By default llguidance allows only the
     canonical tokenization of bytes the grammar forces, e.g. `colour` but not `c` after `{ "`; that
     changes greedy answers.)"""
-    options = JSON_OBJECT_OPTIONS if json_object else SCHEMA_OPTIONS
+    options = (
+        JSON_OBJECT_OPTIONS
+        if json_object
+        else SCHEMA_OPTIONS
+        if strict
+        else {**SCHEMA_OPTIONS, **BEST_EFFORT}
+    )
     text = json.dumps(
         {**known_formats_only(closed_objects(schema)), "x-guidance": options}, ensure_ascii=True
     )

@@ -139,15 +139,18 @@ class ChatCompletionRequest(BaseModel):
                         "response_format.json_schema.schema",
                         "response_format json_schema needs json_schema.schema: a JSON schema object",
                     )
+                if spec.get("strict") not in (None, True, False):
+                    raise ValueError("response_format.json_schema.strict must be a boolean")
         return self
 
-    def output_schema(self) -> tuple[str, dict[str, Any] | None] | None:
-        """None for plain text, ("json_object", None) or ("json_schema", schema)."""
+    def output_schema(self) -> tuple[str, dict[str, Any] | None, bool] | None:
+        """None for plain text, ("json_object", None, False) or ("json_schema", schema, strict)."""
         kind = (self.response_format or {}).get("type", "text")
         if kind == "json_object":
-            return "json_object", None
+            return "json_object", None, False
         if kind == "json_schema":
-            return "json_schema", self.response_format["json_schema"]["schema"]  # type: ignore[index]
+            spec = self.response_format["json_schema"]  # type: ignore[index]
+            return "json_schema", spec["schema"], spec.get("strict") is True
         return None
 
     def logprobs_count(self) -> int | None:

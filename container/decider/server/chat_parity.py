@@ -50,7 +50,7 @@ def with_chat_options(
     spec = chat.output_schema()
     constraint: constraints.Constraint | None = None
     if spec is not None:
-        kind, schema = spec
+        kind, schema, strict = spec
         base = SCHEMA_PARAM if kind == "json_schema" else ("response_format",)
         try:
             constraint = constraints.compile_constraint(
@@ -58,6 +58,7 @@ def with_chat_options(
                 (schema or {}) if kind == "json_schema" else None,
                 limits,
                 deadline=deadline,
+                strict=strict,
             )
         except constraints.ConstraintError as exc:
             raise RequestError(str(exc), code=exc.code, param=(*base, *exc.path)) from None
