@@ -86,6 +86,10 @@ DRAIN_BODY = {
     "max_tokens": 32,  # long enough to be in flight at SIGTERM, short enough for a loaded machine
     "seed": 7,
 }
+DECISION_BODY = {
+    "state": "I was charged twice for order 1182.",
+    "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
+}
 TEXT_FILES = {"README.md": "Model staged for decider.\n", "tokenizer_config.json": "{}\n"}
 
 # Polled inside the --network none container with the image's own Python: /ping until 200, then
@@ -303,6 +307,48 @@ def run_live_tests(report: Report, base_url: str) -> None:
         result.returncode == 0,
         f"{summary.strip('= ')} in {time.monotonic() - started:.0f} s",
     )
+
+
+# The engine child's pid, read inside the container with the image's own Python (no procps there).
+ENGINE_PID = (
+    "import pathlib\n"
+    "for p in pathlib.Path('/proc').iterdir():\n"
+    "    if p.name.isdigit():\n"
+    "        try: argv = (p / 'cmdline').read_bytes().split(b'\\0')\n"
+    "        except OSError: continue\n"
+    "        if b'decider.cli' in argv and b'engine' in argv: print(p.name)\n"
+)
+
+
+def check_engine_restart(report: Report, container: Container, base_url: str) -> None:
+    """A native abort in the engine child (SIGABRT, as llama.cpp's GGML_ASSERT sends): the container
+    keeps running, what the child ran gets 503 engine_restarted, and a decision is served again."""
+    found = container.exec("/opt/venv/bin/python", "-c", ENGINE_PID).stdout.split()
+    if len(found) != 1:
+        report.check("the engine runs in a child of PID 1", False, f"engine processes found: {found}")
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        chat = pool.submit(httpx.post, f"{base_url}/v1/chat/completions", json=DRAIN_BODY, timeout=60)
+        time.sleep(0.25)
+        killed = time.monotonic()
+        abort = f"import os, signal; os.kill({int(found[0])}, signal.SIGABRT)"
+        container.exec("/opt/venv/bin/python", "-c", abort)
+        decision = httpx.post(f"{base_url}/v1/systemone", json=DECISION_BODY, timeout=60)
+        back = time.monotonic() - killed
+        cut = chat.result()
+    code = cut.json().get("error", {}).get("code") if cut.status_code != 200 else "200"
+    logs = container.logs()
+    report.check(
+        "a SIGABRT in the engine child: 503 engine_restarted for what it ran, served again within 10 s",
+        container.running()
+        and code in ("engine_restarted", "200")  # the chat may have ended before the signal
+        and decision.status_code == 200
+        and back < 10
+        and "engine process died (signal SIGABRT)" in logs
+        and "Fatal Python error: Aborted" in logs,
+        f"chat: {code}; decision {decision.status_code} {back:.1f} s after the signal",
+    )
+    report.fact("engine SIGABRT → served again", f"{back:.1f} s")
 
 
 def check_drain_on_stop(report: Report, container: Container, base_url: str) -> None:
@@ -544,6 +590,8 @@ def run_contract(image: str, *, live_tests: bool, console: Console) -> int:
             report.fact("resident memory after the live tests", f"{rss:.0f} MiB" if rss else "unknown")
         console.print("[bold]Batch Transform (/execution-parameters, JSON Lines)[/bold]")
         guarded(report, "Batch Transform", lambda: check_batch_transform(report, base_url))
+        console.print("[bold]A native crash in the engine child[/bold]")
+        guarded(report, "engine restart", lambda: check_engine_restart(report, main, base_url))
         console.print("[bold]docker stop with requests in flight[/bold]")
         check_drain_on_stop(report, main, base_url)
 
