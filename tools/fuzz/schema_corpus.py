@@ -13,6 +13,7 @@ decision beside each chat must answer, and its time beside the chat over its tim
 The last line is machine-readable:
     corpus=… sent=… ok=… valid_on_stop=… invalid_on_stop=… length=… refused=… errors_5xx=…
       transport_errors=… restarts=… coverage=… decision_beside_p50_ratio=… decision_beside_max_ratio=…
+      decision_beside_max_schema=…
 """
 
 from __future__ import annotations
@@ -109,15 +110,19 @@ class Report:
             "coverage": len(usable) / len(self.outcomes) if self.outcomes else 0.0,
             "decision_beside_p50_ratio": statistics.median(ratios) if ratios else float("nan"),
             "decision_beside_max_ratio": max(ratios) if ratios else float("nan"),
+            "decision_beside_max_schema": self.outcomes[ratios.index(max(ratios))].name.replace(" ", "_")
+            if ratios and len(ratios) == len(self.outcomes)
+            else "",
         }
 
 
-def chat_body(schema: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+def chat_body(schema: dict[str, Any], max_tokens: int, strict: bool = False) -> dict[str, Any]:
+    spec = {"name": "config", "schema": schema, **({"strict": True} if strict else {})}
     return {
         "messages": [{"role": "user", "content": "Write a small example configuration as JSON."}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "config", "schema": schema}},
+        "response_format": {"type": "json_schema", "json_schema": spec},
     }
 
 
@@ -135,10 +140,12 @@ def validates(schema: dict[str, Any], text: str) -> bool | None:
         return None
 
 
-def send(client: httpx.Client, base_url: str, name: str, schema: dict[str, Any], max_tokens: int) -> Outcome:
+def send(
+    client: httpx.Client, base_url: str, name: str, schema: dict[str, Any], max_tokens: int, strict: bool
+) -> Outcome:
     try:
         response = client.post(
-            f"{base_url}/v1/chat/completions", json=chat_body(schema, max_tokens), timeout=120
+            f"{base_url}/v1/chat/completions", json=chat_body(schema, max_tokens, strict), timeout=120
         )
     except httpx.TransportError as exc:
         return Outcome(name, 0, message=type(exc).__name__)
@@ -172,7 +179,7 @@ def restarts(client: httpx.Client, base_url: str) -> float:
 
 
 def run(
-    base_url: str, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int
+    base_url: str, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int, strict: bool = False
 ) -> Iterator[Outcome | Report]:
     """Send each schema beside a decision; yield each outcome, then the report."""
     report = Report()
@@ -184,7 +191,7 @@ def run(
             timing: list[float] = []
             decision = threading.Thread(target=lambda into=timing: into.append(decide(beside, base_url)))
             decision.start()
-            outcome = send(client, base_url, name, schema, max_tokens)
+            outcome = send(client, base_url, name, schema, max_tokens, strict)
             decision.join()
             report.beside.extend(timing)
             report.outcomes.append(outcome)
@@ -197,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sample", type=int, default=0, help="schemas spread over the corpus (0: all)")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--strict", action="store_true", help="send json_schema.strict: true")
     parser.add_argument("--base-url", help="a running server (default: start the bundled model's)")
     args = parser.parse_args(argv)
     schemas = spread(corpus(), args.sample)
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     def go(base_url: str) -> Report:
         report: Report | None = None
         codes: Counter[str] = Counter()
-        for item in run(base_url, schemas, args.max_tokens):
+        for item in run(base_url, schemas, args.max_tokens, args.strict):
             if isinstance(item, Report):
                 report = item
                 continue
