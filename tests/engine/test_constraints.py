@@ -20,6 +20,7 @@ from decider.engine.constraints import (
     ConstraintError,
     ConstraintFailedError,
     Vocabulary,
+    closed_objects,
     compile_constraint,
     vocabulary_from,
 )
@@ -286,3 +287,11 @@ def test_a_failed_step_ends_that_chat_with_a_typed_error_and_the_engine_goes_on(
     )
     text, finish, _usage = engine._run_local(engine.chat_work(plan), "chat")  # the next chat is served
     assert finish in ("stop", "length") and text
+
+
+def test_an_object_requiring_a_name_it_does_not_list_is_not_closed() -> None:
+    """Closing it (additionalProperties: false) would make the schema unsatisfiable (SchemaStore has 5)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["name"]}
+    assert "additionalProperties" not in closed_objects(schema)
+    assert closed_objects({**schema, "required": ["a"]})["additionalProperties"] is False
+    compile_constraint(FAKE, schema, strict=True)

@@ -304,10 +304,13 @@ def _close(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = dict(node)
+    required = out.get("required")
     if (
         isinstance(out.get("properties"), dict)
         and "additionalProperties" not in out
         and ("patternProperties" not in out and "unevaluatedProperties" not in out)
+        # a required name it does not list would be unsatisfiable once closed
+        and not (isinstance(required, list) and any(name not in out["properties"] for name in required))
     ):
         out["additionalProperties"] = False
     for key in _SUBSCHEMA_MAPS:
