@@ -46,8 +46,8 @@ TREE_LIMIT_BYTES = 64 * 2**20  # what travels to the machine: tracked and untrac
 PYTHON_VERSION = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
-# Packages the benchmarks need beyond the container's runtime, pinned in requirements.txt.
-BENCH_PACKAGES = ("rich", "httpx", "gguf", "PyYAML", "jevbench")
+# Packages the benchmarks need beyond the container's runtime (httpx is in it), pinned in requirements.txt.
+BENCH_PACKAGES = ("rich", "gguf", "PyYAML", "jevbench")
 # Builds the llama-cpp-python sdist there (pip --no-build-isolation: nothing to download); pip itself
 # for a Python whose venv module has no ensurepip (the Makefile's pin).
 BUILD_REQUIREMENTS = ("scikit-build-core==1.1.2", "pip==25.3")

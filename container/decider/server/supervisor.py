@@ -197,7 +197,10 @@ class Supervisor:
             transport=httpx.AsyncHTTPTransport(uds=self.socket_path),
             base_url="http://engine",
             timeout=httpx.Timeout(None, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            # A connection per request (a Unix socket's connect costs microseconds): a dead child then
+            # refuses it (ConnectError: never sent, sent again to the next child) instead of a kept
+            # connection failing after the request was written (ambiguous: answered 503).
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
         )
         self._keeper = asyncio.ensure_future(self._keep_engine())
 
