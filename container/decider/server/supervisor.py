@@ -56,6 +56,7 @@ from decider.errors import (
     DeciderError,
     RequestError,
     UnavailableError,
+    internal_error,
     model_loading,
     shutting_down,
 )
@@ -337,11 +338,10 @@ class Supervisor:
         if scope["path"] == "/ping" and not self.serving.is_set():
             await self._ping_while_down(send, request_id)
             return
-        started = False
 
         async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                scope.setdefault("state", {})["response_started"] = True
             await send(message)
 
         try:
@@ -355,7 +355,7 @@ class Supervisor:
                 scope["method"],
                 scope["path"],
             )
-            if not started:
+            if not self._started(scope):
                 await _send_error(send, shutting_down(), request_id)
 
     async def _relay(
@@ -408,7 +408,18 @@ class Supervisor:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await proxy
-        return proxy.result() if not proxy.cancelled() and proxy.exception() is None else LOST
+        if proxy.cancelled():  # the caller went away
+            return LOST
+        if (error := proxy.exception()) is not None:
+            log.error("request %s: relaying it failed: %r", request_id, error, exc_info=error)
+            if not self._started(scope):
+                await _send_error(send, internal_error(error), request_id)
+            return LOST
+        return proxy.result()
+
+    @staticmethod
+    def _started(scope: Scope) -> bool:
+        return bool(scope.get("state", {}).get("response_started"))
 
     async def _ping_while_down(self, send: Send, request_id: str) -> None:
         if self.ever_ready and not self.gave_up and not self.stopping:
