@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 from decider.settings import Settings
 
 from tools.bench.common import NO_CACHES
@@ -56,11 +57,14 @@ def bad_body(megabytes: float) -> bytes:
 
 
 def rss_kib(pid: int, field: str) -> int:
-    """VmRSS (now) or VmHWM (peak) of a process, in KiB (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    return 0
+    """VmRSS (now) or VmHWM (peak) of a process and its children (the front and its engine child,
+    decider.server.supervisor), in KiB (Linux)."""
+    total = 0
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                total += int(line.split()[1])
+    return total
 
 
 def time_good(url: str, body: dict[str, Any], repeats: int) -> tuple[float, list[int]]:
