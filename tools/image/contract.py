@@ -320,6 +320,15 @@ ENGINE_PID = (
 )
 
 
+def wait_for_engine_exit(container: Container, pid: str, deadline: float) -> None:
+    """Wait until the signalled child is gone, so the next request goes to its successor rather
+    than to a dying socket (a request the dying child accepted is honestly lost: 503)."""
+    while time.monotonic() < deadline:
+        if pid not in container.exec("/opt/venv/bin/python", "-c", ENGINE_PID).stdout.split():
+            return
+        time.sleep(0.05)
+
+
 def check_engine_restart(report: Report, container: Container, base_url: str) -> None:
     """A native abort in the engine child (SIGABRT, as llama.cpp's GGML_ASSERT sends): the container
     keeps running, what the child ran gets 503 engine_restarted, and a decision is served again."""
@@ -333,6 +342,7 @@ def check_engine_restart(report: Report, container: Container, base_url: str) ->
         killed = time.monotonic()
         abort = f"import os, signal; os.kill({int(found[0])}, signal.SIGABRT)"
         container.exec("/opt/venv/bin/python", "-c", abort)
+        wait_for_engine_exit(container, found[0], deadline=killed + 10)
         decision = httpx.post(f"{base_url}/v1/systemone", json=DECISION_BODY, timeout=60)
         back = time.monotonic() - killed
         cut = chat.result()
