@@ -168,10 +168,10 @@ def test_several_stop_strings(live_server: LocalServer) -> None:
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}},
+                    "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}, "strict": True},
                 }
             },
-            "response_format.json_schema.schema",
+            "response_format.json_schema.schema.$ref",
             "invalid_response_format",
         ),
     ],

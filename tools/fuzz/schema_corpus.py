@@ -12,8 +12,12 @@ decision beside each chat must answer, and its time beside the chat over its tim
 
 The last line is machine-readable:
     corpus=… sent=… ok=… valid_on_stop=… invalid_on_stop=… length=… refused=… errors_5xx=…
-      transport_errors=… restarts=… coverage=… decision_beside_p50_ratio=… decision_beside_max_ratio=…
-      decision_beside_max_schema=…
+      unchecked_on_stop=… transport_errors=… restarts=… coverage=… decision_beside_p50_ratio=…
+      decision_beside_max_ratio=… decision_beside_plain_chat_p50_ratio=… decision_beside_max_schema=…
+
+`coverage` counts a 200 that ended with `length`, or with `stop` and output that validated;
+`decision_beside_plain_chat_p50_ratio` is the same decision beside the same chat without a
+response_format (what sharing the engine costs before any constraint).
 """
 
 from __future__ import annotations
@@ -36,10 +40,8 @@ import jsonschema
 from tools.local_server import run_local_server
 
 MAX_SCHEMA_BYTES = 65536  # DECIDER_MAX_SCHEMA_BYTES' default: larger ones are refused by design
-DECISION = {
-    "state": "Order 1182 arrived broken.",
-    "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
-}
+QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
+_orders = iter(range(1000, 10**9))
 
 
 def corpus(max_bytes: int = MAX_SCHEMA_BYTES) -> list[tuple[str, dict[str, Any]]]:
@@ -80,7 +82,7 @@ class Outcome:
     status: int  # 0: no HTTP answer (the connection failed)
     code: str = ""
     finish: str = ""
-    valid: bool | None = None  # on `stop`: whether the content validates (None: not checkable)
+    valid: bool | None = None  # on `stop`: whether the content validates (None: could not be checked)
     message: str = ""
 
 
@@ -88,6 +90,7 @@ class Outcome:
 class Report:
     outcomes: list[Outcome] = field(default_factory=list)
     beside: list[float] = field(default_factory=list)  # decision seconds beside each chat
+    beside_plain: list[float] = field(default_factory=list)  # beside a chat with no response_format
     alone: float = 0.0
     restarts: float = 0.0
 
@@ -95,13 +98,14 @@ class Report:
         ok = [o for o in self.outcomes if o.status == 200]
         stop = [o for o in ok if o.finish == "stop"]
         invalid = [o for o in stop if o.valid is False]
-        usable = [o for o in ok if o.finish != "stop" or o.valid is not False]
+        usable = [o for o in ok if o.finish != "stop" or o.valid is True]
         ratios = [b / self.alone for b in self.beside] if self.alone else []
         return {
             "sent": len(self.outcomes),
             "ok": len(ok),
             "valid_on_stop": sum(1 for o in stop if o.valid),
             "invalid_on_stop": len(invalid),
+            "unchecked_on_stop": sum(1 for o in stop if o.valid is None),
             "length": sum(1 for o in ok if o.finish == "length"),
             "refused": sum(1 for o in self.outcomes if 400 <= o.status < 500),
             "errors_5xx": sum(1 for o in self.outcomes if o.status >= 500),
@@ -110,25 +114,32 @@ class Report:
             "coverage": len(usable) / len(self.outcomes) if self.outcomes else 0.0,
             "decision_beside_p50_ratio": statistics.median(ratios) if ratios else float("nan"),
             "decision_beside_max_ratio": max(ratios) if ratios else float("nan"),
+            "decision_beside_plain_chat_p50_ratio": statistics.median(self.beside_plain) / self.alone
+            if self.beside_plain and self.alone
+            else float("nan"),
             "decision_beside_max_schema": self.outcomes[ratios.index(max(ratios))].name.replace(" ", "_")
             if ratios and len(ratios) == len(self.outcomes)
             else "",
         }
 
 
-def chat_body(schema: dict[str, Any], max_tokens: int, strict: bool = False) -> dict[str, Any]:
-    spec = {"name": "config", "schema": schema, **({"strict": True} if strict else {})}
-    return {
+def chat_body(schema: dict[str, Any] | None, max_tokens: int, strict: bool = False) -> dict[str, Any]:
+    """The chat for `schema` (None: the same chat without a response_format)."""
+    body: dict[str, Any] = {
         "messages": [{"role": "user", "content": "Write a small example configuration as JSON."}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": spec},
     }
+    if schema is not None:
+        spec = {"name": "config", "schema": schema, **({"strict": True} if strict else {})}
+        body["response_format"] = {"type": "json_schema", "json_schema": spec}
+    return body
 
 
 def validates(schema: dict[str, Any], text: str) -> bool | None:
-    """Whether `text` is JSON valid against `schema`; None when the schema cannot be checked here
-    (a remote `$ref`, a draft jsonschema does not know)."""
+    """Whether `text` is JSON valid against `schema` (the JSON Schema drafts' own schemas, which
+    many `$ref`, resolved by jsonschema); None when it cannot be checked here (a `$ref` to another
+    document, a schema jsonschema refuses). Coverage counts only what was checked."""
     try:
         instance = json.loads(text)
     except ValueError:
@@ -141,7 +152,12 @@ def validates(schema: dict[str, Any], text: str) -> bool | None:
 
 
 def send(
-    client: httpx.Client, base_url: str, name: str, schema: dict[str, Any], max_tokens: int, strict: bool
+    client: httpx.Client,
+    base_url: str,
+    name: str,
+    schema: dict[str, Any] | None,
+    max_tokens: int,
+    strict: bool,
 ) -> Outcome:
     try:
         response = client.post(
@@ -160,13 +176,17 @@ def send(
         )
     choice = body["choices"][0]
     finish = choice["finish_reason"]
-    valid = validates(schema, choice["message"]["content"] or "") if finish == "stop" else None
+    text = choice["message"]["content"] or ""
+    valid = validates(schema, text) if finish == "stop" and schema is not None else None
     return Outcome(name, 200, finish=finish, valid=valid)
 
 
 def decide(client: httpx.Client, base_url: str) -> float:
+    """One decision's seconds. Each asks of another order, so none is a repeat the cache answers
+    without work (a cached answer only measures when the engine's current step ends)."""
+    body = {"state": f"Order {next(_orders)} arrived broken.", "questions": QUESTIONS}
     started = time.perf_counter()
-    client.post(f"{base_url}/v1/systemone", json=DECISION, timeout=120).raise_for_status()
+    client.post(f"{base_url}/v1/systemone", json=body, timeout=120).raise_for_status()
     return time.perf_counter() - started
 
 
@@ -187,17 +207,34 @@ def run(
         decide(client, base_url)  # warm
         report.alone = statistics.median(decide(client, base_url) for _ in range(3))
         before = restarts(client, base_url)
+        for _ in range(3):  # the same chat without a response_format: what any chat beside costs
+            report.beside_plain.append(_beside(client, beside, base_url, None, max_tokens, strict)[1])
         for name, schema in schemas:
-            timing: list[float] = []
-            decision = threading.Thread(target=lambda into=timing: into.append(decide(beside, base_url)))
-            decision.start()
-            outcome = send(client, base_url, name, schema, max_tokens, strict)
-            decision.join()
-            report.beside.extend(timing)
+            outcome, seconds = _beside(client, beside, base_url, (name, schema), max_tokens, strict)
+            report.beside.append(seconds)
             report.outcomes.append(outcome)
             yield outcome
         report.restarts = restarts(client, base_url) - before
     yield report
+
+
+def _beside(
+    client: httpx.Client,
+    beside: httpx.Client,
+    base_url: str,
+    named: tuple[str, dict[str, Any]] | None,
+    max_tokens: int,
+    strict: bool,
+) -> tuple[Outcome, float]:
+    """The chat for `named` (None: no response_format) with a decision sent at the same moment:
+    the chat's outcome and the decision's seconds."""
+    timing: list[float] = []
+    decision = threading.Thread(target=lambda: timing.append(decide(beside, base_url)))
+    decision.start()
+    name, schema = named or ("plain chat", None)
+    outcome = send(client, base_url, name, schema, max_tokens, strict)
+    decision.join()
+    return outcome, timing[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,9 @@ without a bound and kept unbounded parse stacks; see docs/structured-output.md).
   `invalid_response_format` naming it. The first mask is computed while planning, so a schema
   whose first step already fails is refused before admission; a later step that fails (its
   fuel spent, or no token allowed) ends that chat with `ConstraintFailedError`, a typed error.
+- **The schema as handed over** is decider.engine.schema_rewrite's: `$ref`s checked against the
+  schema (the server fetches nothing), and, without `json_schema.strict`, what llguidance refuses
+  left out and the schema compiled again (at most MAX_REPAIRS times, each under the deadline).
 - **Whitespace** between JSON tokens is what the GBNF path allowed (a schema: one optional space;
   `json_object`: one space, or a newline and up to 20 spaces or tabs), so greedy answers to simple
   schemas stay as they were and a small model cannot spin on blank lines.
@@ -43,6 +46,7 @@ import llama_cpp
 import llguidance
 import numpy as np
 
+from decider.engine import schema_rewrite
 from decider.engine.schema_limits import GrammarLimitError, SchemaCheckError, check_schema
 from decider.settings import GrammarLimits
 
@@ -60,13 +64,16 @@ JSON_OBJECT_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[ ]|\n[ \t]{0,20}
 # output on a schema it enforces whole is the same either way. docs/structured-output.md.
 BEST_EFFORT: dict[str, Any] = {"lenient": True, "coerce_one_of": True}
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+# best effort: how many times a refused schema is compiled again without the part refused
+# (schema_rewrite.repair; each a compile, each under the request's deadline)
+MAX_REPAIRS = 6
 
 TOO_COMPLEX = "response_format_too_complex"
 INVALID = "invalid_response_format"
 UNSATISFIABLE = "response_format_unsatisfiable"
 # llguidance's messages for a bound it hit (limits and fuel), as opposed to a schema it refuses
 _LIMIT_MESSAGES = re.compile(
-    r"too many|fuel|limit|too complex|too large|TooComplex|max_items|grammar size|lexer states",
+    r"too many|fuel|limit|too complex|too large|TooComplex|max_items|grammar size|lexer states|stack level",
     re.IGNORECASE,
 )
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
@@ -242,17 +249,34 @@ def compile_constraint(
     TimeoutError when `deadline` (time.monotonic) passes between phases. `strict` (the request's
     `json_schema.strict`): refuse what cannot be enforced instead of leaving it out (BEST_EFFORT)."""
     limits = limits or GrammarLimits()
-    source = JSON_OBJECT_SCHEMA if schema is None else schema
-    if schema is not None:
+    if schema is None:
+        source, options = JSON_OBJECT_SCHEMA, JSON_OBJECT_OPTIONS
+    else:
         try:  # what llguidance does not bound itself: size, lone surrogates
             check_schema(schema, limits)
+            source = schema_rewrite.prepare(schema, strict=strict)
         except GrammarLimitError as exc:
             raise ConstraintError(str(exc), TOO_COMPLEX, exc.path) from None
-        except SchemaCheckError as exc:
+        except (SchemaCheckError, schema_rewrite.RewriteError) as exc:
             raise ConstraintError(str(exc), INVALID, exc.path) from None
+        options = SCHEMA_OPTIONS if strict else {**SCHEMA_OPTIONS, **BEST_EFFORT}
     _check_deadline(deadline)
-    grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(source, schema is None, strict=strict))
-    matcher = llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=parser_limits(limits))
+    matcher = _matcher(vocab, source, options, limits)
+    for _ in range(MAX_REPAIRS):
+        if not matcher.is_error() or schema is None:
+            break
+        message = matcher.get_error()
+        if strict:
+            refusal = schema_rewrite.strict_error(source, message)
+            if refusal is not None:
+                raise ConstraintError(str(refusal), INVALID, refusal.path)
+            break
+        repaired = schema_rewrite.repair(source, message)
+        if repaired is None:
+            break
+        source = repaired
+        _check_deadline(deadline)
+        matcher = _matcher(vocab, source, options, limits)
     if matcher.is_error():
         raise _compile_error(matcher.get_error(), source)
     _check_deadline(deadline)
@@ -265,86 +289,21 @@ def compile_constraint(
     return constraint
 
 
-def lark_grammar(schema: dict[str, Any], json_object: bool = False, *, strict: bool = False) -> str:
-    """The llguidance grammar for a schema: its JSON Schema support (`%json`) with our whitespace
-    (the caller's own `x-guidance` options are replaced), and `no_forcing`: every token whose
-    bytes fit is allowed, as the GBNF sampler allowed them. (By default llguidance allows only the
-    canonical tokenization of bytes the grammar forces, e.g. `colour` but not `c` after `{ "`; that
-    changes greedy answers.)"""
-    options = (
-        JSON_OBJECT_OPTIONS
-        if json_object
-        else SCHEMA_OPTIONS
-        if strict
-        else {**SCHEMA_OPTIONS, **BEST_EFFORT}
-    )
-    text = json.dumps(
-        {**known_formats_only(closed_objects(schema)), "x-guidance": options}, ensure_ascii=True
-    )
+def _matcher(
+    vocab: Vocabulary, schema: dict[str, Any], options: dict[str, Any], limits: GrammarLimits
+) -> Any:
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(schema, options))
+    return llguidance.LLMatcher(vocab.tokenizer, grammar, log_level=0, limits=parser_limits(limits))
+
+
+def lark_grammar(schema: dict[str, Any], options: dict[str, Any]) -> str:
+    """The llguidance grammar for a prepared schema: its JSON Schema support (`%json`) with our
+    `options` (the caller's own `x-guidance` options are replaced), and `no_forcing`: every token
+    whose bytes fit is allowed, as the GBNF sampler allowed them. (By default llguidance allows
+    only the canonical tokenization of bytes the grammar forces, e.g. `colour` but not `c` after
+    `{ "`; that changes greedy answers.)"""
+    text = json.dumps({**schema, "x-guidance": options}, ensure_ascii=True)
     return f'%llguidance {{"no_forcing": true}}\nstart: %json {text}\n'
-
-
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties")
-
-
-def closed_objects(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object that lists `properties` and
-    says nothing of others, as the GBNF path read it (llama-cpp-python's converter allowed no
-    other property there; JSON Schema allows any). What it allows is a subset of what the schema
-    allows, so the output still validates. A schema with `allOf` anywhere is left as it is: its
-    members are merged, and closing each would exclude the others' properties."""
-    if "allOf" in json.dumps(schema):
-        return schema
-    return _close(schema)
-
-
-def _close(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    out = dict(node)
-    required = out.get("required")
-    if (
-        isinstance(out.get("properties"), dict)
-        and "additionalProperties" not in out
-        and ("patternProperties" not in out and "unevaluatedProperties" not in out)
-        # a required name it does not list would be unsatisfiable once closed
-        and not (isinstance(required, list) and any(name not in out["properties"] for name in required))
-    ):
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _close(child) for name, child in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_close(child) for child in out[key]]
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = _close(out[key])
-    return out
-
-
-# the `format`s llguidance constrains (1.9.1); it refuses any other
-FORMATS = frozenset(
-    ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid")
-)
-_VALUES = frozenset(("enum", "const", "default", "examples"))  # JSON values, not schemas
-
-
-def known_formats_only(schema: Any) -> Any:
-    """The schema without the `format`s llguidance does not know (`uri-reference`, `int64`, …): JSON
-    Schema makes `format` an annotation unless a validator opts in, and the GBNF path ignored the ones
-    it did not know; llguidance would refuse the whole schema."""
-    if isinstance(schema, list):
-        return [known_formats_only(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    return {
-        key: value if key in _VALUES else known_formats_only(value)
-        for key, value in schema.items()
-        if not (key == "format" and isinstance(value, str) and value not in FORMATS)
-    }
 
 
 def _check_deadline(deadline: float | None) -> None:
