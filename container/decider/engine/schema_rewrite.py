@@ -127,7 +127,7 @@ def _close(node: Any, here: bool = True) -> Any:
     required = out.get("required")
     # members of an anyOf/oneOf beside the node's own object keywords are combined with them:
     # closing either side would refuse the other's names
-    combined = any(isinstance(out.get(key), list) for key in _CLOSE_LISTS[:2]) and (
+    combined = any(isinstance(out.get(key), list) for key in ("anyOf", "oneOf")) and (
         "properties" in out or "required" in out
     )
     if (
@@ -163,15 +163,12 @@ def known_formats_only(schema: Any) -> Any:
     """The schema without the `format`s llguidance does not know (`uri-reference`, `int64`, …): JSON
     Schema makes `format` an annotation unless a validator opts in, and the GBNF path ignored the ones
     it did not know; llguidance would refuse the whole schema."""
-    if isinstance(schema, list):
-        return [known_formats_only(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    return {
-        key: value if key in _VALUES else known_formats_only(value)
-        for key, value in schema.items()
-        if not (key == "format" and isinstance(value, str) and value not in FORMATS)
-    }
+
+    def drop(node: dict[str, Any]) -> dict[str, Any]:
+        known = not isinstance(node.get("format"), str) or node["format"] in FORMATS
+        return node if known else {key: value for key, value in node.items() if key != "format"}
+
+    return rebuild(schema, drop)
 
 
 def followable_refs(schema: dict[str, Any], *, strict: bool) -> dict[str, Any]:
