@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from aws_cdk import Aws, CfnWaitCondition, CfnWaitConditionHandle, CustomResource, Duration, Token
+from aws_cdk import CfnWaitCondition, CfnWaitConditionHandle, CustomResource, Duration, Token
 from constructs import Construct
 
 from stacks.common import identity
@@ -31,21 +31,8 @@ from stacks.config import (
     deployed_image_parameter,
     image_wait_minutes,
 )
-from stacks.image_stack import ImageStack
-
-
-def image_tag(variant: VariantConfig, source_hash: str, buildspec: str) -> str:
-    """`<cpu|cuda>-<hash of the build's inputs>`: immutable, never `latest`.
-
-    The inputs are what the image is made of: the content hash of container/, the build arguments
-    (the configured ones and the CUDA architectures) and the buildspec that runs the build (as
-    inlined into the template: YAML comments do not count). A change of any of them rebuilds; a
-    change of how the build runs (compute type, timeouts) does not.
-    """
-    recipe = hashlib.sha256(buildspec.encode()).hexdigest()
-    inputs = [source_hash, variant.docker_build_args, recipe]
-    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
-    return f"{variant.build_variant}-{digest}"
+from stacks.handlers.build_jobs import MODEL_FIELDS
+from stacks.image_stack import ImageStack, staging_fields
 
 
 def provider_request(
@@ -76,25 +63,13 @@ class ImageBuild(Construct):
         project: str,
     ):
         super().__init__(scope, construct_id)
-        self.tag = image_tag(variant, image_stack.source_hash, image_stack.image_buildspec)
+        self.tag = image_stack.image_tag(variant)
         wait_minutes = image_wait_minutes(variant.image_build)
-        source = image_stack.container_source
+        # Only the tag: how it is built (project, source, buildspec, build arguments, compute) is fixed
+        # in ImageStack's provider at synth (handlers/build_jobs.py), and the tag hashes all of it.
         properties = {
             "Kind": "Image",
-            "ProjectName": image_stack.projects.image.project_name,
-            "SourceBucket": source.s3_bucket_name,
-            "SourceKey": source.s3_object_key,
-            "RepositoryName": image_stack.repository.repository_name,
-            # Same account and region as ImageStack; built here rather than split from the ARN.
-            "RepositoryUri": f"{Aws.ACCOUNT_ID}.dkr.ecr.{Aws.REGION}.{Aws.URL_SUFFIX}/"
-            f"{image_stack.repository.repository_name}",
             "ImageTag": self.tag,
-            "Variant": variant.build_variant,
-            "ComputeType": variant.image_build.compute_type,
-            "TimeoutMinutes": str(variant.image_build.timeout_minutes),
-            "QueuedTimeoutMinutes": str(variant.image_build.queued_timeout_minutes),
-            "BuildArgs": "\n".join(f"{k}={v}" for k, v in variant.docker_build_args.items()),
-            "Buildspec": image_stack.image_buildspec,
             "ImageSource": variant.image_source,
             "DeployedImageParameter": deployed_image_parameter(project, variant),
         }
@@ -103,10 +78,13 @@ class ImageBuild(Construct):
         # and "to update a resource with a wait condition, associate the wait condition with a new
         # WaitConditionHandle" (and a wait condition's Timeout cannot be updated).
         service_token = image_stack.provider.service_token
+        # The service token is a cross-stack reference: its final form (which names ImageStack's
+        # region and account) is only known once the app is synthesized, so they are named here.
         inputs = identity(
             self,
             {
                 "service_token": service_token,
+                "provider_environment": [image_stack.stack_name, image_stack.account, image_stack.region],
                 "service_timeout_s": CUSTOM_RESOURCE_TIMEOUT_S,
                 "wait_timeout_s": wait_minutes * 60,
                 **properties,
@@ -125,19 +103,27 @@ class ImageBuild(Construct):
         )
         # The wait starts once the build has started (or was found unnecessary).
         self.wait.node.add_dependency(self.resource)
+        self.source = self.resource.get_att_string("Source")
         self.deployed = DeployedImage(
             self,
             "Deployed",
             image_stack=image_stack,
             variant=variant,
             wait_data=Token.as_string(self.wait.attr_data),
+            built={
+                "ImageTag": self.tag,
+                "ImageSource": self.source,
+                "DeployedImageParameter": properties["DeployedImageParameter"],
+            },
         )
         self.image_uri = self.deployed.image_uri
-        self.source = self.resource.get_att_string("Source")
 
 
 class DeployedImage(Construct):
-    """The image the endpoint runs, checked in ECR and tagged `keep-<digest>` (never expired)."""
+    """The image the endpoint runs, checked in ECR and tagged `keep-<digest>` (never expired).
+
+    A signalled image (`wait_data`) comes with what it must be (`built`: the content tag, and whether
+    the build kept a pinned image): the handler checks the signal against ECR and the stack's record."""
 
     def __init__(
         self,
@@ -148,14 +134,11 @@ class DeployedImage(Construct):
         variant: VariantConfig,
         image_uri: str | None = None,
         wait_data: str | None = None,
+        built: dict[str, str] | None = None,
     ):
         super().__init__(scope, construct_id)
-        properties = {
-            "Kind": "DeployedImage",
-            "EndpointName": variant.endpoint_name,
-            "RepositoryName": image_stack.repository.repository_name,
-        }
-        properties |= {"ImageUri": image_uri} if image_uri else {"WaitData": wait_data}
+        properties = {"Kind": "DeployedImage", "EndpointName": variant.endpoint_name}
+        properties |= {"ImageUri": image_uri} if image_uri else {"WaitData": wait_data, **(built or {})}
         self.resource = provider_request(self, image_stack, "Custom::DeployedImage", properties)
         self.image_uri = self.resource.get_att_string("ImageUri")
 
@@ -179,25 +162,11 @@ class ModelStaging(Construct):
         self.prefix = model.s3_prefix
         self.file = model.file
         extra = {"ArchiveKey": archive_key(model.s3_prefix)} if archive else {}
+        # The model it stages (the provider stages only the one ImageStack pins: handlers/build_jobs.py);
+        # the project, its buildspec and run limits are ImageStack's.
+        fields = {k: v for k, v in staging_fields(model, self.bucket_name).items() if k in MODEL_FIELDS}
         self.resource = provider_request(
-            self,
-            image_stack,
-            "Custom::ModelStaging",
-            {
-                "Kind": "Model",
-                "ProjectName": image_stack.projects.model.project_name,
-                "Bucket": self.bucket_name,
-                "Prefix": self.prefix,
-                "Repository": model.repository,
-                "Revision": model.revision,
-                "File": model.file,
-                "SizeBytes": str(model.size_bytes),
-                "Sha256": model.sha256,
-                "TimeoutMinutes": str(model.staging_timeout_minutes),
-                "QueuedTimeoutMinutes": str(model.staging_queued_timeout_minutes),
-                "Buildspec": image_stack.model_buildspec,
-                **extra,
-            },
+            self, image_stack, "Custom::ModelStaging", {"Kind": "Model", **fields, **extra}
         )
         self.model_s3_uri = self.resource.get_att_string("ModelS3Uri")
         self.archive_uri = self.resource.get_att_string("ModelArchiveUri") if archive else None

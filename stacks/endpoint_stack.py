@@ -33,7 +33,6 @@ from stacks.deploy_time_build import (
     PostDeployCheck,
     UpdateGuard,
     guard_fingerprint,
-    image_tag,
 )
 from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
 from stacks.image_stack import ImageStack
@@ -95,9 +94,7 @@ class EndpointStack(Stack):
         # Refusals SageMaker documents fail first, before the image build and the model staging (up to
         # hours) and before UpdateEndpoint is called (handlers/update_guard.py): every long-running
         # resource of the stack depends on the guard, and the guard on nothing of this stack.
-        image_ref = variant.image_uri or image_tag(
-            variant, image_stack.source_hash, image_stack.image_buildspec
-        )
+        image_ref = variant.image_uri or image_stack.image_tag(variant)
         self.guard = UpdateGuard(
             self,
             "UpdateGuard",

@@ -11,6 +11,9 @@ do not stop a delete, so ImageStack has termination protection: delete GpuStack 
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import yaml
 from aws_cdk import ArnFormat, Aws, CfnOutput, Duration, RemovalPolicy, Stack, Tags
 from aws_cdk import aws_codebuild as codebuild
@@ -36,10 +39,12 @@ from stacks.config import (
     AppConfig,
     ModelArtifact,
     VariantConfig,
+    archive_key,
     cost_tags,
     deployed_image_parameter,
     expiring_prefixes,
 )
+from stacks.handlers import build_jobs
 from stacks.handlers.build_states import FAILED_STATES
 from stacks.handlers.post_deploy_check import parked_prefix
 from stacks.nag import acknowledge
@@ -50,9 +55,29 @@ from stacks.paths import ASSET_EXCLUDES, BUILDSPEC_DIR, CONTAINER_DIR, HANDLERS_
 # for by a WaitCondition in the endpoint stack.
 BUILD_POLL_INTERVAL = Duration.seconds(30)
 PROVIDER_TOTAL_TIMEOUT = Duration.minutes(PROVIDER_TOTAL_TIMEOUT_MINUTES)
+# Outputs earlier endpoint stacks read (ImageStack._keep_earlier_outputs): logical id → what it held.
+EARLIER_WEAK_OUTPUTS = {
+    "PublishOutputRefBuildsImageBuildF0DD629132E8D2C4": "image-project",
+    "PublishOutputRefBuildsModelStaging1D36922418A87208": "model-project",
+    "PublishOutputRefImagesRepository2D0F5B9CAAD4A19B": "repository",
+}
 IMAGES_KEPT_PER_VARIANT = 20
 # "keep-<digest>" marks deployed images; this count is never reached, so they never expire.
 KEPT_DEPLOYED_IMAGES = 10_000
+
+
+def image_tag(variant: VariantConfig, source_hash: str, buildspec: str) -> str:
+    """`<cpu|cuda>-<hash of the build's inputs>`: immutable, never `latest`.
+
+    The inputs are what the image is made of: the content hash of container/, the build arguments
+    (the configured ones and the CUDA architectures) and the buildspec that runs the build (as
+    inlined into the template: YAML comments do not count). A change of any of them rebuilds; a
+    change of how the build runs (compute type, timeouts) does not.
+    """
+    recipe = hashlib.sha256(buildspec.encode()).hexdigest()
+    inputs = [source_hash, variant.docker_build_args, recipe]
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    return f"{variant.build_variant}-{digest}"
 
 
 def artifacts_bucket_name(project: str) -> str:
@@ -227,6 +252,12 @@ class BuildProjects(Construct):
                 cloud_watch=codebuild.CloudWatchLoggingOptions(log_group=image_logs)
             ),
         )
+        # The build's source is the project's own (the container/ asset), not StartBuild's: the provider
+        # passes no source or buildspec (handlers/build_jobs.py). Set on the L1, so that the one narrow
+        # read grant below stays the only one (Source.s3 would add CDK's wider bucket grant).
+        cfn_image = self.image.node.default_child
+        cfn_image.add_property_override("Source.Type", "S3")
+        cfn_image.add_property_override("Source.Location", f"{source.s3_bucket_name}/{source.s3_object_key}")
         repository.grant_pull_push(self.image)
         # image.yml reads the pushed digest back (and finds an existing tag) with describe-images.
         repository.grant(self.image, "ecr:DescribeImages")
@@ -306,14 +337,17 @@ class BuildProvider(Construct):
         artifacts: s3.IBucket,
         project: str,
         endpoint_stacks: dict[str, VariantConfig],
+        jobs: dict[str, object],
         log_retention: logs.RetentionDays,
     ) -> None:
+        """`jobs`: the builds it may start (handlers/build_jobs.py `document`), fixed at synth."""
         super().__init__(scope, construct_id)
         code = lambda_.Code.from_asset(str(HANDLERS_DIR), exclude=ASSET_EXCLUDES)
         limits = {
             "POLL_SECONDS": str(int(BUILD_POLL_INTERVAL.to_seconds())),
             "START_RETRY_MINUTES": str(BUILD_START_RETRY_MINUTES),
             "DEADLINE_GRACE_MINUTES": str(BUILD_DEADLINE_GRACE_MINUTES),
+            build_jobs.ENV: Stack.of(self).to_json_string(jobs),
         }
 
         def handler(
@@ -363,11 +397,17 @@ class BuildProvider(Construct):
                 resources=[projects.image.project_arn],
             )
         )
-        # Existing tag lookup, and the keep-<digest> tag on deployed images (BatchGetImage + PutImage).
+        # Existing tag lookup, the deployed image's provenance (its manifest and config blob:
+        # handlers/image_provenance.py), and its keep-<digest> tag (BatchGetImage + PutImage).
         on_event.add_to_role_policy(
             iam.PolicyStatement(
-                sid="FindAndKeepImages",
-                actions=["ecr:DescribeImages", "ecr:BatchGetImage", "ecr:PutImage"],
+                sid="FindCheckAndKeepImages",
+                actions=[
+                    "ecr:DescribeImages",
+                    "ecr:BatchGetImage",
+                    "ecr:GetDownloadUrlForLayer",
+                    "ecr:PutImage",
+                ],
                 resources=[repository.repository_arn],
             )
         )
@@ -710,6 +750,9 @@ class ImageStack(Stack):
             model=config.model,
             log_retention=retention,
         )
+        # The buildspecs as inlined into the projects (an input of the image tag).
+        self.image_buildspec = self.projects.image_buildspec.to_build_spec()
+        self.model_buildspec = self.projects.model_buildspec.to_build_spec()
         self.provider = BuildProvider(
             self,
             "BuildRunner",
@@ -718,8 +761,10 @@ class ImageStack(Stack):
             artifacts=self.artifacts,
             project=config.project,
             endpoint_stacks=endpoint_stacks,
+            jobs=self._build_jobs(config.model, list(endpoint_stacks.values())),
             log_retention=retention,
         )
+        self._keep_earlier_outputs()
         CfnOutput(
             self,
             "ImageRepositoryUri",
@@ -727,10 +772,62 @@ class ImageStack(Stack):
             description="Push CI images here (buildspec/pipeline.yml IMAGE_REPOSITORY_URI): deployed digests "
             "get the keep-<digest> tag its lifecycle policy never expires",
         )
-        # The buildspecs as StartBuild's buildspecOverride (the same YAML as the projects' own).
-        self.image_buildspec = self.projects.image_buildspec.to_build_spec()
-        self.model_buildspec = self.projects.model_buildspec.to_build_spec()
+
+    def _keep_earlier_outputs(self) -> None:
+        """Outputs that endpoint stacks deployed by an earlier version read by weak reference
+        (`Fn::GetStackOutput`): their requests named the build projects and the repository. Nothing
+        reads them now, but a rollback of such a stack to its previous template resolves them again,
+        and CloudFormation does not track weak references, so removing them would surface only as an
+        UPDATE_ROLLBACK_FAILED. Same names (a top-level construct id is its logical id), same values."""
+        for name, value in EARLIER_WEAK_OUTPUTS.items():
+            target = {
+                "image-project": self.projects.image.project_name,
+                "model-project": self.projects.model.project_name,
+                "repository": self.repository.repository_name,
+            }[value]
+            CfnOutput(self, name, value=target, description=f"Read by earlier endpoint stacks ({value})")
 
     @property
     def source_hash(self) -> str:
         return self.container_source.asset_hash
+
+    def image_tag(self, variant: VariantConfig) -> str:
+        """The content tag of the variant's image, built from this stack's source and buildspec."""
+        return image_tag(variant, self.source_hash, self.image_buildspec)
+
+    def _build_jobs(self, model: ModelArtifact, variants: list[VariantConfig]) -> dict[str, object]:
+        """What the provider may build: each variant's content tag, and the pinned model."""
+        images = {
+            self.image_tag(variant): build_jobs.image_recipe(
+                variant=variant.build_variant,
+                build_args="\n".join(f"{k}={v}" for k, v in variant.docker_build_args.items()),
+                compute_type=variant.image_build.compute_type,
+                timeout_minutes=variant.image_build.timeout_minutes,
+                queued_timeout_minutes=variant.image_build.queued_timeout_minutes,
+            )
+            for variant in variants
+        }
+        return build_jobs.document(
+            image_project=self.projects.image.project_name,
+            repository_name=self.repository.repository_name,
+            repository_uri=self.repository.repository_uri,
+            images=images,
+            model_project=self.projects.model.project_name,
+            model=staging_fields(model, self.artifacts_bucket_name),
+            archive_key=archive_key(model.s3_prefix),
+        )
+
+
+def staging_fields(model: ModelArtifact, bucket: str) -> dict[str, str]:
+    """The model staging request's fields (build_jobs.MODEL_FIELDS) and its run limits."""
+    return {
+        "Bucket": bucket,
+        "Prefix": model.s3_prefix,
+        "Repository": model.repository,
+        "Revision": model.revision,
+        "File": model.file,
+        "SizeBytes": str(model.size_bytes),
+        "Sha256": model.sha256,
+        "TimeoutMinutes": str(model.staging_timeout_minutes),
+        "QueuedTimeoutMinutes": str(model.staging_queued_timeout_minutes),
+    }

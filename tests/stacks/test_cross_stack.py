@@ -75,3 +75,16 @@ def test_every_weak_reference_names_an_existing_imagestack_output(synth, stack):
     for reference in references:
         assert reference["StackName"] == "ImageStack"
         assert reference["OutputName"] in outputs, reference
+
+
+def test_outputs_earlier_endpoint_stacks_read_are_kept(synth):
+    """Endpoint stacks deployed before the provider took its recipes from ImageStack read three more
+    outputs; a rollback of such a stack resolves them again (ImageStack._keep_earlier_outputs)."""
+    from stacks.image_stack import EARLIER_WEAK_OUTPUTS
+
+    image = synth.templates["ImageStack"]
+    kinds = {"image-project": "AWS::CodeBuild::Project", "model-project": "AWS::CodeBuild::Project"}
+    kinds["repository"] = "AWS::ECR::Repository"
+    for name, held in EARLIER_WEAK_OUTPUTS.items():
+        value = image["Outputs"][name]["Value"]
+        assert image["Resources"][value["Ref"]]["Type"] == kinds[held], name

@@ -17,6 +17,7 @@ from handler_helpers import body, start_handle, stubbed_clients
 
 from stacks.handlers import (
     bake_load,
+    build_jobs,
     build_watcher,
     codebuild_job,
     post_deploy_check,
@@ -35,6 +36,15 @@ STACK_ID = f"arn:aws:cloudformation:{REGION}:{ACCOUNT}:stack/CpuStack/abc"
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 DECISION_OK = {"model": "qwen", "answers": {"refund": {"type": "noul", "noul": 0.97}}}
 CHAT_OK = {"model": "qwen", "choices": [{"message": {"role": "assistant", "content": "OK"}}]}
+JOBS = build_jobs.document(  # ImageStack's BUILD_JOBS: here only its repository matters
+    image_project="ImageBuild",
+    repository_name="decider-images",
+    repository_uri=IMAGE.split("@")[0],
+    images={},
+    model_project="ModelStaging",
+    model={},
+    archive_key="",
+)
 
 
 @pytest.fixture
@@ -43,6 +53,7 @@ def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": REGION,
+        build_jobs.ENV: json.dumps(JOBS),
     }.items():
         monkeypatch.setenv(name, value)
     clients, stubs = stubbed_clients()
@@ -63,13 +74,7 @@ def event(request: str, props: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def deployed_props(**extra: Any) -> dict[str, Any]:
-    return {
-        "ServiceToken": SERVICE_TOKEN,
-        "Kind": "DeployedImage",
-        "EndpointName": "decider-cpu",
-        "RepositoryName": "decider-images",
-        **extra,
-    }
+    return {"ServiceToken": SERVICE_TOKEN, "Kind": "DeployedImage", "EndpointName": "decider-cpu", **extra}
 
 
 def expect_protection(aws: dict[str, Any], *, already: bool = False) -> None:

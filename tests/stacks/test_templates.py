@@ -14,7 +14,8 @@ from stack_helpers import STACKS, only, resources
 
 from stacks import config as app_config
 from stacks.config import container_environment
-from stacks.deploy_time_build import image_tag
+from stacks.handlers import build_jobs
+from stacks.image_stack import image_tag
 
 pytestmark = pytest.mark.cdk
 
@@ -150,6 +151,40 @@ def test_artifacts_bucket_is_encrypted_private_versioned_logged(synth):
         ), "TLS-only policy missing"
 
 
+def synthesized_jobs(synth) -> dict:
+    """ImageStack's BUILD_JOBS as the functions will read it (references shown as `<token>`)."""
+    (on_event,) = [
+        f["Properties"]
+        for f in resources(synth.templates["ImageStack"], "AWS::Lambda::Function").values()
+        if f["Properties"]["Handler"] == "codebuild_job.on_event"
+    ]
+    value = on_event["Environment"]["Variables"][build_jobs.ENV]
+    parts = value["Fn::Join"][1] if isinstance(value, dict) else [value]
+    return json.loads("".join(p if isinstance(p, str) else "<token>" for p in parts))
+
+
+def test_the_provider_builds_exactly_the_tags_the_endpoint_stacks_request(synth, synth_prebuilt):
+    """What each endpoint stack asks for is what ImageStack's provider may build: the same tree
+    synthesizes both, so a request for any other tag is refused (handlers/build_jobs.py)."""
+    for app in (synth, synth_prebuilt):
+        requested = {
+            only(app.templates[name], "Custom::ImageBuild")["Properties"]["ImageTag"]
+            for name in ("CpuStack", "GpuStack")
+            if resources(app.templates[name], "Custom::ImageBuild")
+        }
+        assert requested and requested <= set(synthesized_jobs(app)["Image"]["Tags"])
+    assert len(json.dumps(on_event_environment(synth))) < 3000  # Lambda: 4 KB of variables in all
+
+
+def on_event_environment(synth) -> dict:
+    (on_event,) = [
+        f["Properties"]
+        for f in resources(synth.templates["ImageStack"], "AWS::Lambda::Function").values()
+        if f["Properties"]["Handler"] == "codebuild_job.on_event"
+    ]
+    return on_event["Environment"]["Variables"]
+
+
 def _projects(synth):
     projects = resources(synth.templates["ImageStack"], "AWS::CodeBuild::Project")
     image = next(p for p in projects.values() if "docker build" in p["Properties"]["Source"]["BuildSpec"])
@@ -170,7 +205,10 @@ def test_image_project_never_combines_the_local_cache_with_2xlarge(synth):
     assert image["EncryptionKey"]
     assert image["LogsConfig"]["CloudWatchLogs"]["Status"] == "ENABLED"
     spec = yaml.safe_load(image["Source"]["BuildSpec"])
-    assert image["Source"]["Type"] == "NO_SOURCE"  # source comes with each build (S3 asset)
+    # the project's own source, fixed at synth: the container/ asset (a build request passes none)
+    assert image["Source"]["Type"] == "S3"
+    source_hash = synth.decider.image.source_hash
+    assert f"/{source_hash}.zip" in json.dumps(image["Source"]["Location"]), image["Source"]
     assert spec["env"]["variables"]["DOCKER_BUILDKIT"] == "1"
     text = image["Source"]["BuildSpec"]
     assert '--build-arg VARIANT="$VARIANT"' in text and "WAIT_HANDLE_URL" in text
@@ -222,6 +260,7 @@ def test_build_roles_allow_the_calls_their_code_makes_and_no_more(synth):
         "ecr:DescribeImages",
         "ecr:BatchGetImage",  # keep-<digest>: read the manifest …
         "ecr:PutImage",  # … and put it again under the new tag
+        "ecr:GetDownloadUrlForLayer",  # the deployed image's config blob: built for its tag?
         "ssm:GetParameter",  # the deployed-image record
         "cloudformation:DescribeStacks",  # the post-deploy check skips rollbacks
         "sagemaker:DescribeEndpoint",  # the update guard counts the live fleet's blue/green peak
@@ -290,7 +329,11 @@ def test_handlers_watcher_and_waiter_are_logged_and_bounded(synth):
     assert {f["Runtime"] for f in functions.values()} == {"python3.14"}
     # the post-deploy check makes two invocations of up to 60 s each inside one isComplete call
     assert functions["codebuild_job.is_complete"]["Timeout"] == 300
-    limits = functions["codebuild_job.is_complete"]["Environment"]["Variables"]
+    limits = dict(functions["codebuild_job.is_complete"]["Environment"]["Variables"])
+    assert (
+        limits.pop(build_jobs.ENV)
+        == functions["codebuild_job.on_event"]["Environment"]["Variables"][build_jobs.ENV]
+    )
     assert limits == {
         "POLL_SECONDS": "30",
         "START_RETRY_MINUTES": str(app_config.BUILD_START_RETRY_MINUTES),
@@ -342,18 +385,28 @@ def test_image_build_request_names_tag_buildspec_and_its_wait_condition(synth, s
     build_id = _logical_id(template, "Custom::ImageBuild")
     props = template["Resources"][build_id]["Properties"]
     assert props["ServiceTimeout"] == "3600"  # CloudFormation's ceiling for a custom resource
-    assert props["Variant"] == {"cpu": "cpu", "gpu": "cuda"}[variant]
-    assert props["SourceKey"] == f"{source_hash}.zip"
-    assert props["ComputeType"] == config.image_build.compute_type
-    assert props["QueuedTimeoutMinutes"] == str(config.image_build.queued_timeout_minutes)
+    # only the tag: how it is built is ImageStack's, fixed at synth (the provider takes no recipe)
+    assert set(props) == {
+        "ServiceToken",
+        "ServiceTimeout",
+        "Kind",
+        "ImageTag",
+        "ImageSource",
+        "DeployedImageParameter",
+        "WaitHandle",
+    }
     assert props["ImageSource"] == "auto"
     assert props["DeployedImageParameter"] == f"/decider/{config.endpoint_name}/image"
-    assert yaml.safe_load(props["Buildspec"]) == yaml.safe_load(_projects(synth)[0]["Source"]["BuildSpec"])
-    assert props["ImageTag"] == image_tag(config, source_hash, props["Buildspec"])
+    buildspec = _projects(synth)[0]["Source"]["BuildSpec"]
+    assert props["ImageTag"] == image_tag(config, source_hash, buildspec)
+    recipe = synthesized_jobs(synth)["Image"]["Tags"][props["ImageTag"]]
+    assert recipe["Variant"] == {"cpu": "cpu", "gpu": "cuda"}[variant]
+    assert recipe["ComputeType"] == config.image_build.compute_type
+    assert recipe["QueuedTimeoutMinutes"] == str(config.image_build.queued_timeout_minutes)
     if variant == "cpu":
-        assert props["ImageTag"].startswith("cpu-") and props["BuildArgs"] == ""
+        assert props["ImageTag"].startswith("cpu-") and recipe["BuildArgs"] == ""
     else:  # the CUDA architectures of the allowed GPUs (g6: sm_89) are a build argument and in the tag
-        assert props["BuildArgs"] == "CUDA_ARCHITECTURES=89"
+        assert recipe["BuildArgs"] == "CUDA_ARCHITECTURES=89"
         assert props["ImageTag"].startswith("cuda-")
     # the wait condition: its handle goes to the build, it waits queue + build + margin, after the start
     handle_id = _logical_id(template, "AWS::CloudFormation::WaitConditionHandle")
@@ -419,9 +472,14 @@ def test_model_staging_request_pins_the_production_model(synth, stack):
     assert props["Sha256"] == model.sha256 and len(props["Sha256"]) == 64
     assert props["SizeBytes"] == "3013027808"
     assert props["Prefix"] == f"models/bartowski/Qwen_Qwen3.5-4B-GGUF/{model.revision}/{model.sha256[:12]}/"
-    assert props["TimeoutMinutes"] == str(model.staging_timeout_minutes)
     assert props["ServiceTimeout"] == "3600"
-    assert "version: 0.2" in props["Buildspec"]
+    # the provider stages only the model ImageStack pins, with ImageStack's limits and project
+    pinned = synthesized_jobs(synth)["Model"]
+    for field in build_jobs.MODEL_FIELDS:
+        if field != "Bucket":  # a token: ${AWS::AccountId} in both
+            assert props[field] == pinned[field]
+    assert pinned["TimeoutMinutes"] == str(model.staging_timeout_minutes)
+    assert not {"ProjectName", "Buildspec", "TimeoutMinutes"} & set(props)
 
 
 # --- endpoint stacks: model, config, endpoint -------------------------------------------------------
@@ -783,10 +841,11 @@ def test_prebuilt_image_and_model_skip_the_deploy_time_builds(synth_prebuilt):
 def test_build_args_and_image_source_are_passed_and_change_the_image_tag(synth, synth_prebuilt):
     build = only(synth_prebuilt.templates["CpuStack"], "Custom::ImageBuild")["Properties"]
     default = only(synth.templates["CpuStack"], "Custom::ImageBuild")["Properties"]
-    assert build["BuildArgs"] == "PYTHON_IMAGE=public.ecr.aws/docker/library/python:3.11.14-slim-bookworm"
+    recipe = synthesized_jobs(synth_prebuilt)["Image"]["Tags"][build["ImageTag"]]
+    assert recipe["BuildArgs"] == "PYTHON_IMAGE=public.ecr.aws/docker/library/python:3.11.14-slim-bookworm"
     assert build["ImageSource"] == "build"
-    assert build["ComputeType"] == "BUILD_GENERAL1_2XLARGE"
-    assert default["BuildArgs"] == ""
+    assert recipe["ComputeType"] == "BUILD_GENERAL1_2XLARGE"
+    assert synthesized_jobs(synth)["Image"]["Tags"][default["ImageTag"]]["BuildArgs"] == ""
     assert build["ImageTag"].startswith("cpu-") and build["ImageTag"] != default["ImageTag"]
     assert len(build["ImageTag"]) == len(default["ImageTag"])
 
