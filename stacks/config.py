@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from decider.memory_budget import GIB, Footprint, fit_problems, memory_need
 from decider.settings import Settings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -254,6 +255,16 @@ class ModelArtifact(_Strict):
     staging_queued_timeout_minutes: int = Field(
         10, ge=5, le=60, description="How long the staging build may wait in CodeBuild's queue."
     )
+    kv_bytes_per_token: int | None = Field(
+        None,
+        gt=0,
+        description="KV cache bytes per context token (attention layers x KV heads x head size x K and V x "
+        "2 bytes of f16): with the two below, the memory check of each variant at synth.",
+    )
+    recurrent_bytes_per_sequence: int | None = Field(
+        None, ge=0, description="Recurrent state bytes per sequence (0 for a pure transformer)."
+    )
+    n_vocab: int | None = Field(None, gt=0, description="Vocabulary size (the logits buffer's row).")
 
     @model_validator(mode="after")
     def _fits_the_custom_resource_ceiling(self) -> ModelArtifact:
@@ -266,6 +277,14 @@ class ModelArtifact(_Strict):
                 "min a custom resource can wait (CloudFormation allows 3600 s)"
             )
         return self
+
+    @property
+    def footprint(self) -> Footprint | None:
+        """Its memory by shape (decider.memory_budget), when the three shape fields are given."""
+        shape = (self.kv_bytes_per_token, self.recurrent_bytes_per_sequence, self.n_vocab)
+        if any(value is None for value in shape):
+            return None
+        return Footprint(self.size_bytes, *shape)  # type: ignore[arg-type]
 
     @property
     def s3_prefix(self) -> str:
@@ -979,6 +998,42 @@ class AppConfig(_Strict):
     def _account_as_text(cls, value: Any) -> Any:
         """`-c account=123456789012` arrives JSON-decoded as a number; an account id is text."""
         return f"{value:012d}" if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _memory_holds_the_model(self) -> AppConfig:
+        """Model, context, recurrent states, logits, an explicit host tier and the reserve fit every
+        allowed instance type (decider.memory_budget); refused at synth with the numbers."""
+        footprint = self.model.footprint
+        problems = []
+        for variant in (self.cpu, self.gpu):
+            if footprint is None or variant.model_s3_uri is not None:
+                continue  # no declared shape, or another model than the pinned one
+            settings = container_settings(variant, self.model)
+            host_tier = settings.cache_budget.host_bytes or 0  # unset: sized at start from what is left
+            need = memory_need(
+                footprint,
+                n_ctx=settings.n_ctx,
+                n_seq_max=settings.n_seq_max,
+                n_batch=settings.logical_batch,
+                host_tier=host_tier if settings.cache_budget.states else 0,
+                on_gpu=variant.is_gpu and settings.n_gpu_layers != 0,
+            )
+            for instance_type in variant.instance_types:
+                spec = INSTANCE_TYPES.get(instance_type)
+                if spec is None:  # a type stacks/instances.py does not know: its memory neither
+                    continue
+                problems += [
+                    f"{variant.name} on {instance_type}: {problem}"
+                    for problem in fit_problems(
+                        need, host_memory=spec.memory_bytes, gpu_memory=int(spec.gpu_memory_gib * GIB)
+                    )
+                ]
+        if problems:
+            raise ValueError(
+                "the model does not fit (lower <variant>.container.n_ctx, n_seq_max, n_batch or "
+                "state_cache_host_mib, or pick a larger instance type):\n" + "\n".join(problems)
+            )
+        return self
 
     @model_validator(mode="after")
     def _volume_holds_the_model(self) -> AppConfig:

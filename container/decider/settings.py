@@ -45,7 +45,9 @@ class CacheBudget:
     state_cells: int = 0
     state_seqs: int = 0
     repeat_entries: int = 0
-    host_bytes: int = 0  # kept states saved to host memory when evicted (0: no host tier)
+    # kept states saved to host memory when evicted (0: no host tier; None: sized at start from the memory
+    # left, decider.memory_budget, by Engine.cache_budget)
+    host_bytes: int | None = 0
     partial_hits: bool = True  # an entry may serve a prompt that shares only its beginning
 
     @property
@@ -54,8 +56,9 @@ class CacheBudget:
 
     @property
     def host(self) -> bool:
-        """A host tier behind the kept states (only where states are kept at all)."""
-        return self.states and self.host_bytes > 0
+        """A host tier behind the kept states (only where states are kept at all; an unsized one, None,
+        is none until DecisionEngine.cache_budget sizes it)."""
+        return self.states and bool(self.host_bytes)
 
 
 @dataclass(frozen=True)
@@ -168,8 +171,8 @@ class Settings(BaseSettings):
         le=256,
         description="Sequences kept decision states and chat turns may hold (see state_cache_cells); 0: off.",
     )
-    state_cache_host_mib: int = Field(
-        2048,
+    state_cache_host_mib: int | None = Field(
+        None,
         ge=0,
         le=1_048_576,
         description="Host memory (MiB) for kept states and chat turns evicted from the context "
@@ -177,9 +180,11 @@ class Settings(BaseSettings):
         "(llama_state_seq_get_data), and a later request it serves restores it (llama_state_seq_set_data, "
         "under a millisecond against seconds of prefill) instead of decoding it again. Least recently used "
         "entries go beyond the budget; an entry larger than it is not saved. 0 turns it off; it is off "
-        "whenever state_cache_cells or state_cache_seqs is (and so with batch_invariant). Default 2048: "
-        "llama-server's 8192 would be half the 16 GiB of the GPU instance (ml.g6.xlarge), which also holds "
-        "the server, the mapped model file and the request bodies; a ~300-token SmolLM2 state takes ~7 MB.",
+        "whenever state_cache_cells or state_cache_seqs is (and so with batch_invariant). Default (unset): "
+        "half of the memory left once the model is loaded: the memory limit (the container's cgroup, else "
+        "the machine's) less the engine's own memory (KV cache, recurrent states, buffers), the whole model "
+        "file and a 1 GiB reserve, at most 8192 (llama-server's default); logged at start "
+        "(decider.memory_budget). A ~300-token SmolLM2 state takes ~7 MB.",
     )
     cache_partial_hits: bool = Field(
         True,
@@ -390,7 +395,7 @@ class Settings(BaseSettings):
             cells,
             self.state_cache_seqs,
             self.repeat_cache_entries,
-            self.state_cache_host_mib * 1024 * 1024,
+            None if self.state_cache_host_mib is None else self.state_cache_host_mib * 1024 * 1024,
             partial_hits=self.cache_partial_hits,
         )
 

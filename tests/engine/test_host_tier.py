@@ -262,7 +262,9 @@ def decoded_tokens(engine: DecisionEngine, run: Callable[[], Any]) -> tuple[Any,
 def test_an_evicted_state_comes_back_from_host_memory(one_kept: DecisionEngine) -> None:
     engine = one_kept
     states = engine._local.loop.caches.states
-    assert states.host is not None and engine.settings.state_cache_host_mib == 2048  # on by default
+    # on by default, sized at load from the memory left (this machine leaves gigabytes)
+    assert engine.settings.state_cache_host_mib is None and states.host is not None
+    assert states.host.max_bytes == engine.cache_budget.host_bytes >= 1024**3
     body = unique(EXAMPLE)
     decide(engine, body)
     plan = engine.plan_decision(parse_decision_request(body))
@@ -306,9 +308,10 @@ def test_a_chat_turn_comes_back_from_host_memory(smollm2_one: DecisionEngine) ->
 def test_the_host_tier_is_off_with_its_setting_at_zero_and_with_batch_invariance() -> None:
     """The budget comes from the settings only; the engine keeps no state at all with batch
     invariance (memory epochs), so no host tier either (tests/engine/test_state_cache.py)."""
-    assert Settings(model_path="/m.gguf").cache_budget.host
+    assert Settings(model_path="/m.gguf", state_cache_host_mib=64).cache_budget.host
+    assert Settings(model_path="/m.gguf").cache_budget.host_bytes is None  # sized by the loaded engine
     assert not Settings(model_path="/m.gguf", state_cache_host_mib=0).cache_budget.host
-    assert not Settings(model_path="/m.gguf", state_cache_seqs=0).cache_budget.host
+    assert not Settings(model_path="/m.gguf", state_cache_seqs=0, state_cache_host_mib=64).cache_budget.host
 
 
 def test_a_saved_entry_keeps_its_cache_space() -> None:

@@ -513,7 +513,8 @@ def test_batch_invariance_keeps_repeats_but_no_states(invariant_engine: Decision
     gives in that mode, bit for bit, so repeats are kept."""
     body = unique(EXAMPLE)
     in_case = decide(invariant_engine, body)
-    assert invariant_engine.settings.cache_budget.host  # asked for, yet no host tier: nothing is kept
+    assert invariant_engine.settings.cache_budget.host_bytes is None  # the default, yet no tier:
+    assert invariant_engine.cache_budget.host_bytes == 0  # no state is kept, so none is sized
     assert invariant_engine._local.loop.caches.states is None
     alone = decide(invariant_engine, {**body, "questions": {"anger": body["questions"]["anger"]}})
     assert alone.extensions["decodes"] == 0

@@ -361,3 +361,22 @@ def test_cdk_entry_point_prints_every_config_error_and_exits_2(capsys):
     err = capsys.readouterr().err
     assert "cpu.instance_type: ml.g6.xlarge is a GPU/accelerator type" in err
     assert "gpu.container: invalid container setting(s): n_ctx" in err
+
+
+def test_the_model_context_and_host_tier_must_fit_the_instance_memory():
+    """decider.memory_budget at synth: an 8 GiB instance takes the 4B model with the host tier left to
+    its default (sized at start from what is left); a fixed 2 GiB tier beside it, or a 4 GiB instance,
+    is refused with the numbers."""
+    config = config_with(**{"cpu.instance_type": "ml.m6i.large", "cpu.autoscaling": "false"})
+    assert config.cpu.instance_type == "ml.m6i.large"
+    text = error_for(
+        **{
+            "cpu.instance_type": "ml.m6i.large",
+            "cpu.autoscaling": "false",
+            "cpu.container.state_cache_host_mib": "2048",
+        }
+    )
+    assert "cpu on ml.m6i.large: host memory: model 2.8 GiB + KV cache 0.2 GiB" in text
+    assert "host tier 2.0 GiB + reserve 1.0 GiB = 9.5 GiB > the instance's 8.0 GiB" in text
+    text = error_for(**{"cpu.instance_type": "ml.c6i.large", "cpu.autoscaling": "false"})
+    assert "cpu on ml.c6i.large: host memory" in text and "the instance's 4.0 GiB" in text

@@ -14,6 +14,9 @@ its `DecisionOutcome`: the engine never builds wire responses (decider.server.an
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -47,7 +50,8 @@ from decider.engine.prompt import (
 from decider.engine.scheduler import Scheduler
 from decider.engine.work import DecisionWork
 from decider.errors import StartupError
-from decider.settings import Settings
+from decider.memory_budget import size_host_tier
+from decider.settings import CacheBudget, Settings
 
 
 class ModelInfo(BaseModel):
@@ -114,6 +118,19 @@ class DecisionEngine:
             max_token_bytes=planner.max_token_bytes,
         )
         self._local: Any = None  # a private scheduler for `decide`, created on first use
+
+    @functools.cached_property
+    def cache_budget(self) -> CacheBudget:
+        """The settings' cache budget, with the host tier sized now when it is left to its default:
+        from the memory left once the model and its context are loaded (decider.memory_budget)."""
+        budget = self.settings.cache_budget
+        if budget.host_bytes is not None:
+            return budget
+        if not budget.states or self._rt.policy.epochs:  # no state is kept (memory epochs: none ever)
+            return dataclasses.replace(budget, host_bytes=0)
+        size = size_host_tier(self.model_info.size_bytes)
+        logging.getLogger(__name__).info("%s", size.describe())
+        return dataclasses.replace(budget, host_bytes=size.bytes)
 
     # --- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -246,7 +263,7 @@ class DecisionEngine:
                 queue_size=1024,
                 deadline_seconds=3600,
                 epoch_cells=self.settings.epoch_limit,
-                cache_budget=self.settings.cache_budget,
+                cache_budget=self.cache_budget,
             )
             self._local.attach(self._rt, self.head_tokens, namespace=self.cache_namespace)
         now = time.monotonic()

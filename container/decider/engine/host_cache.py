@@ -48,6 +48,7 @@ class HostCache:
     def __init__(self, max_bytes: int, *, metrics: Any) -> None:
         self.max_bytes = max_bytes
         self._metrics = metrics
+        metrics.cache_host_budget_bytes.set(max_bytes)
         self._entries: OrderedDict[Key, SavedState] = OrderedDict()
         self.bytes = 0
 

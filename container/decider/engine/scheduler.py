@@ -116,7 +116,14 @@ class Scheduler:
             self._cond.notify()
         return future
 
-    def attach(self, backend: Backend, head_tokens: list[int], *, namespace: str = "") -> None:
+    def attach(
+        self,
+        backend: Backend,
+        head_tokens: list[int],
+        *,
+        namespace: str = "",
+        budget: CacheBudget | None = None,
+    ) -> None:
         """Start batching on a loaded model, after the load (on the engine thread in the server).
 
         The batch policy says which sequences are reserved, and whether memory epochs keep cells in
@@ -128,6 +135,8 @@ class Scheduler:
         with batch invariance only exact repeats are kept (their readouts are bitwise those of a new
         decode in that mode), never states.
         """
+        if budget is not None:  # sized once the model was loaded (DecisionEngine.cache_budget)
+            self.cache_budget = budget
         self.admission.step_tokens = backend.policy.step_tokens
         self.loop.attach(backend, head_tokens, self.cache_budget, namespace)
 

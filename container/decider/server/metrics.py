@@ -152,6 +152,12 @@ class ServerMetrics:
             "Bytes of host memory the saved entries hold (DECIDER_STATE_CACHE_HOST_MIB bounds it).",
             registry=r,
         )
+        self.cache_host_budget_bytes = Gauge(
+            "decider_cache_host_budget_bytes",
+            "The host tier's budget: DECIDER_STATE_CACHE_HOST_MIB, or sized at start from the memory left "
+            "once the model was loaded (decider.memory_budget); 0 when there is no host tier.",
+            registry=r,
+        )
         self.model_ready = Gauge(
             "decider_model_ready", "1 once the model is loaded and verified.", registry=r
         )

@@ -116,7 +116,10 @@ class ServerRuntime:
                 engine = self._loader(self.settings)
                 if self.state != "stopping":
                     self.scheduler.attach(
-                        engine.runtime, engine.head_tokens, namespace=_cache_namespace(engine)
+                        engine.runtime,
+                        engine.head_tokens,
+                        namespace=_cache_namespace(engine),
+                        budget=getattr(engine, "cache_budget", None),  # the host tier sized now
                     )  # decodes the prompt head
             except BaseException as exc:  # everything here is fatal: report it as one line
                 self.state = "failed"
