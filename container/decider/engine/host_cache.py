@@ -26,7 +26,7 @@ class SavedState:
 
     kind: str
     tokens: tuple[int, ...]
-    data: bytes
+    data: bytes | bytearray  # as llama.cpp wrote it (native.LlamaRuntime.seq_save): never copied
     start: int  # the position of tokens[0] (a state's follow the prompt head)
     prompt_tokens: int
     space: str = ""  # the cache space of the requests that kept it (decider.engine.prefix_cache)

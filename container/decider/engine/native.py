@@ -325,21 +325,27 @@ class LlamaRuntime:
         if not llama_cpp.llama_memory_seq_rm(self._mem, seq_id, 0, position):
             raise NativeError(f"could not remove sequence {seq_id}'s positions below {position}")
 
-    def seq_save(self, seq_id: int) -> bytes:
+    def seq_save(self, seq_id: int) -> bytearray:
         """Every cell of a sequence (K/V, and the recurrent state on hybrid models) as bytes, for
-        `seq_restore` into any sequence of this context (host memory: decider.engine.host_cache)."""
+        `seq_restore` into any sequence of this context (host memory: decider.engine.host_cache).
+        llama.cpp writes straight into the buffer that is kept: the state is copied once (a Qwen3.5-4B
+        state carries ~50 MiB of recurrent state)."""
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
-        buffer = (ctypes.c_uint8 * size)()
-        if not size or llama_cpp.llama_state_seq_get_data(self._ctx, buffer, size, seq_id) != size:
+        data = bytearray(size)
+        target = (ctypes.c_uint8 * size).from_buffer(data) if size else None
+        if not size or llama_cpp.llama_state_seq_get_data(self._ctx, target, size, seq_id) != size:
             raise NativeError(f"could not save sequence {seq_id}")
-        return bytes(buffer)
+        return data
 
-    def seq_restore(self, seq_id: int, data: bytes) -> bool:
+    def seq_restore(self, seq_id: int, data: bytes | bytearray) -> bool:
         """Put what `seq_save` returned into sequence `seq_id` (empty before). False when llama.cpp
         cannot (no free cells for it, most likely), and the sequence is empty again: llama.cpp
         removes what a failed restore placed (llama_kv_cache::state_read_sinfo, and the hybrid
         memory's state_read for its attention part), and so does this, should a read stop short."""
-        source = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        if isinstance(data, bytearray):  # seq_save's own buffer: read in place
+            source = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        else:
+            source = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
         if llama_cpp.llama_state_seq_set_data(self._ctx, source, len(data), seq_id) == len(data):
             return True
         self.seq_remove(seq_id)
