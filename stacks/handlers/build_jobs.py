@@ -93,6 +93,11 @@ def image_job(tag: str) -> dict[str, str]:
 
 def model_job(props: dict[str, Any]) -> dict[str, str]:
     """The pinned model's staging, when `props` asks for exactly it; UnknownJobError otherwise."""
+    if props.get("Archive"):  # a request of an earlier version: its buildspec wrote into the prefix
+        raise UnknownJobError(
+            "a model staging request of an earlier version (its Batch Transform archive inside the model "
+            "prefix) is not built any more: the staging project's buildspec keeps the prefix clean"
+        )
     model = synthesized()["Model"]
     differ = [field for field in MODEL_FIELDS if str(props.get(field, "")) != model[field]]
     if props.get("ArchiveKey") and props["ArchiveKey"] != model["ArchiveKey"]:

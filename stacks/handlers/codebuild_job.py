@@ -539,7 +539,8 @@ def deployed_image(clients: Any, event: dict[str, Any]) -> dict[str, Any]:
     return {"ImageUri": uri, "Protected": "true"}
 
 
-def _check_signalled(clients: Any, props: dict[str, Any], image: Any, uri: str) -> None:
+def _check_signalled(clients: Any, props: dict[str, Any], image: image_retention.ImageRef, uri: str) -> None:
+    """Raise ProvenanceError unless the signalled image is what the request says it must be."""
     if props.get("ImageSource") == "pinned":
         pinned = pinned_image(clients["ssm"], props["DeployedImageParameter"])
         if uri != pinned:

@@ -6,7 +6,9 @@ prefilled again when it is asked again. A host tier would instead save the seque
 next ask. This measures, side by side in one process, for each model and state length:
 
 - `prefill_s`: the state prefilled from nothing (the cost of a miss today);
-- `save_s` / `restore_s`: the sequence written to host memory and read back into another sequence;
+- `save_s` / `restore_s`: the sequence written to host memory and read back into another sequence,
+  through what the server runs (`LlamaRuntime.seq_save` / `seq_restore`). Both run on the engine
+  thread, so `save_s` is also the gap an eviction puts in every other request's decoding;
 - `bytes`: the host memory one kept state takes;
 - `restore_diff` / `reprefill_diff`: the largest |Δ logit| of the next token after the restore, and
   after a second prefill, against the first (with the default kernels a token's result depends on
@@ -16,16 +18,17 @@ next ask. This measures, side by side in one process, for each model and state l
 One line per model and length:
     host_tier model=… tokens=… prefill_s=… save_s=… restore_s=… bytes=… prefill_vs_save_restore=…
       restore_diff=… reprefill_diff=…
+
+`--qwen35-4b` adds the production model's own shape (tools/qwen35_gguf.py QWEN35_4B, random weights,
+~2.5 GB written once under .bench/): its ~50 MiB of recurrent state per sequence is what a save copies.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 from decider.engine.bundled import smollm2_path
 from decider.engine.engine import DecisionEngine
@@ -33,7 +36,7 @@ from decider.engine.native import LlamaRuntime, OutputSpec, Row
 from decider.settings import Settings
 
 from tools.bench.common import NO_CACHES
-from tools.bench.server import hybrid_model
+from tools.bench.server import BENCH_DIR, hybrid_model
 
 TEXT = "The payout failed again and the customer wrote to support about the refund. "
 READ = OutputSpec(token_ids=tuple(range(64)), logsumexp=True)
@@ -57,23 +60,19 @@ def measure(path: Path, n_tokens: int, threads: int | None, *, invariant: bool =
     engine = DecisionEngine.load(settings)
     try:
         runtime = engine.runtime
-        ctx = runtime._ctx  # the raw context: the measurement calls llama.cpp directly
         tokens = runtime.tokenize(TEXT * (n_tokens // 8 + 1), special=False)[:n_tokens]
         started = time.perf_counter()
         prefill(runtime, 1, tokens)
         prefill_s = time.perf_counter() - started
 
         started = time.perf_counter()
-        size = llama_cpp.llama_state_seq_get_size(ctx, 1)
-        saved = (ctypes.c_uint8 * size)()
-        if llama_cpp.llama_state_seq_get_data(ctx, saved, size, 1) != size:
-            raise RuntimeError("llama_state_seq_get_data wrote less than its size")
+        saved = runtime.seq_save(1)  # what an eviction runs (decider.engine.prefix_cache)
         save_s = time.perf_counter() - started
 
         first = next_logits(runtime, 1, tokens)
         started = time.perf_counter()
-        if llama_cpp.llama_state_seq_set_data(ctx, saved, size, 2) != size:
-            raise RuntimeError("llama_state_seq_set_data read less than its size")
+        if not runtime.seq_restore(2, saved):
+            raise RuntimeError("seq_restore could not place the saved state")
         restore_s = time.perf_counter() - started
         restored = next_logits(runtime, 2, tokens)
         prefill(runtime, 3, tokens)
@@ -82,12 +81,25 @@ def measure(path: Path, n_tokens: int, threads: int | None, *, invariant: bool =
             "prefill_s": prefill_s,
             "save_s": save_s,
             "restore_s": restore_s,
-            "bytes": float(size),
+            "bytes": float(len(saved)),
             "restore_diff": float(np.max(np.abs(first - restored))),
             "reprefill_diff": float(np.max(np.abs(first - again))),
         }
     finally:
         engine.close()
+
+
+def qwen35_4b(tokenizer: Path) -> Path:
+    """Qwen3.5-4B's shape with random weights (written once under .bench/)."""
+    from tools.qwen35_gguf import QWEN35_4B, write_qwen35
+
+    path = BENCH_DIR / "qwen35-4b-random-Q4_1.gguf"
+    if not path.is_file():
+        BENCH_DIR.mkdir(exist_ok=True)
+        partial = path.with_suffix(".partial")
+        write_qwen35(partial, tokenizer, shape=QWEN35_4B)
+        partial.rename(path)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--hybrid-layers", type=int, default=16)
     parser.add_argument("--hybrid-embd", type=int, default=512)
+    parser.add_argument(
+        "--qwen35-4b", action="store_true", help="also the production model's shape (random weights)"
+    )
     args = parser.parse_args(argv)
     smollm2 = smollm2_path()
     models = (
@@ -115,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
         }
     )
+    if args.qwen35_4b and not args.invariant:
+        models["qwen35-4b"] = qwen35_4b(smollm2)
     for name, path in models.items():
         for n in args.tokens:
             r = measure(path, n, args.threads, invariant=args.invariant)
