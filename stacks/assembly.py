@@ -1,6 +1,6 @@
 """Builds the CDK app: config → ImageStack, CpuStack, GpuStack, with cdk-nag validation.
 
-`app.py` (the `cdk` CLI entry point) and `stacks.synth.synthesize` (tools and tests) both call
+`app.py` (the `cdk` CLI entry point) and `decider_stacks.synth.synthesize` (tools and tests) both call
 `build_app`, so the CLI and in-process synths produce the same templates.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 from aws_cdk import App, Environment, Validations
 from cdk_nag import AwsSolutionsChecks
 
-from stacks.config import AppConfig, load_config
-from stacks.endpoint_stack import EndpointStack
-from stacks.image_stack import ImageStack
+from decider_stacks.config import AppConfig, load_config
+from decider_stacks.endpoint_stack import EndpointStack
+from decider_stacks.image_stack import ImageStack
 
 
 @dataclass
@@ -30,7 +30,7 @@ class DeciderApp:
 def build_app(app: App | None = None, *, nag: bool = True) -> DeciderApp:
     """Create the three stacks in `app` (default: a fresh App reading the CLI's context).
 
-    The config is validated first; a bad value raises `stacks.config.ConfigError` before any
+    The config is validated first; a bad value raises `decider_stacks.config.ConfigError` before any
     construct exists. Stacks are environment-agnostic unless `account`/`region` are configured,
     so synth never needs credentials and never looks anything up.
     """

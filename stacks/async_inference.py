@@ -27,11 +27,11 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_sagemaker as sagemaker
 from aws_cdk import aws_sns as sns
 from constructs import Construct
-from decider.settings import Settings
 
-from stacks.config import VariantConfig, async_prefix
-from stacks.endpoint import DeciderEndpoint
-from stacks.nag import acknowledge
+from decider.settings import Settings
+from decider_stacks.config import VariantConfig, async_prefix
+from decider_stacks.endpoint import DeciderEndpoint
+from decider_stacks.nag import acknowledge
 
 ANSWER_MARGIN_S = 5  # the container answers this long before SageMaker's invocation timeout
 DEADLINE_ENV = "DECIDER_DEADLINE_SECONDS"

@@ -18,8 +18,8 @@ from aws_cdk import ArnFormat, Aws, CfnOutput, Stack
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from stacks.config import VariantConfig
-from stacks.nag import acknowledge
+from decider_stacks.config import VariantConfig
+from decider_stacks.nag import acknowledge
 
 TRANSFORM_LOG_GROUP = "/aws/sagemaker/TransformJobs"
 

@@ -10,7 +10,7 @@ from aws_cdk import Stack
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from stacks.config import LOG_RETENTION_DAYS
+from decider_stacks.config import LOG_RETENTION_DAYS
 
 
 def retention_days(days: int) -> logs.RetentionDays:

@@ -21,19 +21,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from decider.memory_budget import GIB, Footprint, fit_problems, memory_need
-from decider.settings import Settings
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from stacks.handlers.image_retention import IMAGE_URI_RE  # the handlers check the same form
-from stacks.instances import (
+from decider.memory_budget import GIB, Footprint, fit_problems, memory_need
+from decider.settings import Settings
+from decider_stacks.handlers.image_retention import IMAGE_URI_RE  # the handlers check the same form
+from decider_stacks.instances import (
     GPU_FAMILIES,
     INSTANCE_TYPES,
     NON_GPU_ACCELERATOR_FAMILIES,
     gpu_model,
     instance_spec,
 )
-from stacks.paths import CONTAINER_DIR
+from decider_stacks.paths import CONTAINER_DIR
 
 VariantName = Literal["cpu", "gpu"]
 VARIANTS: tuple[VariantName, ...] = ("cpu", "gpu")
@@ -170,7 +170,7 @@ BUILD_START_RETRY_MINUTES = 10
 BUILD_DEADLINE_GRACE_MINUTES = 5
 # Autoscaling on concurrency: a server taking requests one after the other, with random arrivals, holds
 # on average rho / (1 - rho) requests at utilisation rho (M/M/1); at the 70 % the invocation targets use,
-# 2.3 (tools/capacity/planner.py prints the derivation).
+# 2.3 (tools/cli/capacity/planner.py prints the derivation).
 TARGET_UTILISATION = 0.7
 DEFAULT_CONCURRENCY_TARGET = round(TARGET_UTILISATION / (1 - TARGET_UTILISATION), 1)
 DEFAULT_EBS_VOLUME_GB = 30  # ML storage volume on EBS-backed types: the 3 GB GGUF twice, plus room
@@ -568,7 +568,7 @@ class VariantConfig(_Strict):
     inference_ami_version: str | None = Field(
         None,
         description="GPU driver AMI (GPU only); default: the one for the CUDA image's CUDA version "
-        "(stacks.config.inference_ami_for). Another is refused when its CUDA major differs.",
+        "(decider_stacks.config.inference_ami_for). Another is refused when its CUDA major differs.",
     )
     network_isolation: bool = Field(True, description="No outbound network from the container.")
     log_retention_days: int = Field(

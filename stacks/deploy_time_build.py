@@ -22,8 +22,8 @@ import json
 from aws_cdk import CfnWaitCondition, CfnWaitConditionHandle, CustomResource, Duration, Token
 from constructs import Construct
 
-from stacks.common import identity
-from stacks.config import (
+from decider_stacks.common import identity
+from decider_stacks.config import (
     CUSTOM_RESOURCE_TIMEOUT_S,
     ModelArtifact,
     VariantConfig,
@@ -31,8 +31,8 @@ from stacks.config import (
     deployed_image_parameter,
     image_wait_minutes,
 )
-from stacks.handlers.build_jobs import MODEL_FIELDS
-from stacks.image_stack import ImageStack, staging_fields
+from decider_stacks.handlers.build_jobs import MODEL_FIELDS
+from decider_stacks.image_stack import ImageStack, staging_fields
 
 
 def provider_request(

@@ -24,16 +24,16 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
-from stacks.common import identity, retention_days
-from stacks.config import (
+from decider_stacks.common import identity, retention_days
+from decider_stacks.config import (
     ENDPOINT_TAG,
     VariantConfig,
     archive_key,
     data_capture_prefix,
     supports_volume_kms,
 )
-from stacks.monitoring import VARIANT_NAME, EndpointAlarms
-from stacks.nag import acknowledge
+from decider_stacks.monitoring import VARIANT_NAME, EndpointAlarms
+from decider_stacks.nag import acknowledge
 
 
 @dataclass(frozen=True)

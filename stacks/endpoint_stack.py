@@ -11,9 +11,9 @@ from aws_cdk import Aws, CfnOutput, Fn, Stack, Tags
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
-from stacks.async_inference import AsyncInference, async_environment
-from stacks.client_access import OpenAiPathPolicy, grant_batch_transform
-from stacks.config import (
+from decider_stacks.async_inference import AsyncInference, async_environment
+from decider_stacks.client_access import OpenAiPathPolicy, grant_batch_transform
+from decider_stacks.config import (
     IMAGE_URI_RE,
     S3_PREFIX_RE,
     TRANSFORM_MODEL_OUTPUT,
@@ -25,7 +25,7 @@ from stacks.config import (
     cost_tags,
     deployed_image_parameter,
 )
-from stacks.deploy_time_build import (
+from decider_stacks.deploy_time_build import (
     BakeLoad,
     DeployedImage,
     ImageBuild,
@@ -34,9 +34,9 @@ from stacks.deploy_time_build import (
     UpdateGuard,
     guard_fingerprint,
 )
-from stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
-from stacks.image_stack import ImageStack
-from stacks.monitoring import EndpointDashboard, unsubscribed
+from decider_stacks.endpoint import DeciderEndpoint, ImageLocation, ModelLocation
+from decider_stacks.image_stack import ImageStack
+from decider_stacks.monitoring import EndpointDashboard, unsubscribed
 
 # A small decision request, used in the printed invoke command.
 SAMPLE_DECISION = {

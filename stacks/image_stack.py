@@ -2,7 +2,7 @@
 that build the image and stage the model, the custom-resource provider that runs them at deploy time
 (and the endpoint stacks' image checks and post-deploy checks), and the watcher that fails an image
 build's wait condition when the build fails. The endpoint stacks request their own image build and
-model staging from it (see `stacks.deploy_time_build`), so deploying CpuStack never waits for a CUDA
+model staging from it (see `decider_stacks.deploy_time_build`), so deploying CpuStack never waits for a CUDA
 build.
 
 The endpoint stacks read this stack's outputs through weak references (`Fn::GetStackOutput`), which
@@ -30,8 +30,8 @@ from aws_cdk import aws_stepfunctions as sfn
 from aws_cdk import custom_resources as cr
 from constructs import Construct
 
-from stacks.common import retention_days
-from stacks.config import (
+from decider_stacks.common import retention_days
+from decider_stacks.config import (
     BUILD_DEADLINE_GRACE_MINUTES,
     BUILD_START_RETRY_MINUTES,
     IS_COMPLETE_TIMEOUT_S,
@@ -44,11 +44,17 @@ from stacks.config import (
     deployed_image_parameter,
     expiring_prefixes,
 )
-from stacks.handlers import build_jobs
-from stacks.handlers.build_states import FAILED_STATES
-from stacks.handlers.post_deploy_check import parked_prefix
-from stacks.nag import acknowledge
-from stacks.paths import ASSET_EXCLUDES, BUILDSPEC_DIR, CONTAINER_DIR, HANDLERS_DIR, container_excludes
+from decider_stacks.handlers import build_jobs
+from decider_stacks.handlers.build_states import FAILED_STATES
+from decider_stacks.handlers.post_deploy_check import parked_prefix
+from decider_stacks.nag import acknowledge
+from decider_stacks.paths import (
+    ASSET_EXCLUDES,
+    BUILDSPEC_DIR,
+    CONTAINER_DIR,
+    HANDLERS_DIR,
+    container_excludes,
+)
 
 # The provider framework polls every 30 s and gives up after 55 min: a custom resource cannot wait
 # longer than one hour (ServiceTimeout 1-3600 s; aws/aws-cdk#24974). The image build itself is waited

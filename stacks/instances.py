@@ -232,7 +232,7 @@ INSTANCE_TYPES: dict[str, InstanceSpec] = {
 
 
 def family_of(instance_type: str) -> str:
-    """`ml.g6e.xlarge` → `g6e` (no validation; see stacks.config.instance_family)."""
+    """`ml.g6e.xlarge` → `g6e` (no validation; see decider_stacks.config.instance_family)."""
     parts = instance_type.split(".")
     return parts[1] if len(parts) == 3 else instance_type
 

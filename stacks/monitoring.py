@@ -25,7 +25,7 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_sns as sns
 from constructs import Construct
 
-from stacks.config import VariantConfig
+from decider_stacks.config import VariantConfig
 
 VARIANT_NAME = "AllTraffic"
 ONE_MINUTE = Duration.minutes(1)

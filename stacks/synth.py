@@ -1,10 +1,10 @@
 """Synthesize the CDK app in-process, offline, exactly as `npx cdk synth` does.
 
-    from stacks.synth import synthesize
+    from decider_stacks.synth import synthesize
     templates = synthesize(Path("cdk.out.tmp"), {"cpu.instance_type": "ml.c7i.2xlarge"})
     templates["CpuStack"]["Resources"]...
 
-Used by tools/infra_diff and the tests: no CLI, no node process of our own, no credentials, no AWS
+Used by tools/cli/infra_diff and the tests: no CLI, no node process of our own, no credentials, no AWS
 calls. The context is cdk.json's, plus `context` overrides spelled like `-c` keys.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stacks.paths import CDK_JSON
+from decider_stacks.paths import CDK_JSON
 
 # What the CDK CLI adds to the context on `cdk synth` (with cdk.json's "versionReporting": false).
 CLI_CONTEXT = {
@@ -44,8 +44,9 @@ def parse_context(pairs: list[str]) -> dict[str, str]:
 
 
 def context_with(pairs: list[str]) -> dict[str, Any]:
-    """cdk.json's context with `-c KEY=VALUE` overrides applied; stacks.config.ConfigError for a bad pair."""
-    from stacks.config import ConfigError
+    """cdk.json's context with `-c KEY=VALUE` overrides applied; decider_stacks.config.ConfigError
+    for a bad pair."""
+    from decider_stacks.config import ConfigError
 
     try:
         return {**cdk_json_context(), **parse_context(pairs)}
@@ -56,12 +57,12 @@ def context_with(pairs: list[str]) -> dict[str, Any]:
 def synthesize_assembly(outdir: Path, context: Mapping[str, Any] | None = None, *, nag: bool = True):
     """Build and synthesize the app into `outdir`; returns (DeciderApp, CloudAssembly).
 
-    Raises stacks.config.ConfigError for invalid configuration, and the CDK's validation error when
+    Raises decider_stacks.config.ConfigError for invalid configuration, and the CDK's validation error when
     cdk-nag (or CloudFormation validation) reports an unacknowledged violation.
     """
     from aws_cdk import App
 
-    from stacks.assembly import build_app
+    from decider_stacks.assembly import build_app
 
     merged = {**cdk_json_context(), **CLI_CONTEXT, **dict(context or {})}
     outdir.mkdir(parents=True, exist_ok=True)

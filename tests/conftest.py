@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tools.evaluate.jevbench import JEVBENCH_240_CASES, MISSING_HINT
+from decider_cli.evaluate.jevbench import JEVBENCH_240_CASES, MISSING_HINT
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

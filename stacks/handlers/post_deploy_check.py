@@ -66,12 +66,13 @@ SMOKE_RETRY_WINDOW = timedelta(minutes=5)
 # How long a failing check waits, after parking, for the rollback alarms to leave ALARM (counted from
 # the check's start; the provider gives up after 55 min).
 ALARM_SETTLE_DEADLINE = timedelta(minutes=45)
-ENDPOINT_TAG = "promote:endpoint"  # as stacks.config.ENDPOINT_TAG (a Lambda cannot import stacks)
+ENDPOINT_TAG = "promote:endpoint"  # as decider_stacks.config.ENDPOINT_TAG (a Lambda cannot import stacks)
 PARKED_TAG = "decider:parked-for"
 REASON_TAG = "decider:parked-because"  # the first failure, for the message the stack fails with
 MAX_TAG_VALUE = 256
-# The provider gives up on a resource this long after its start (stacks.config.PROVIDER_TOTAL_TIMEOUT_MINUTES,
-# which a Lambda cannot import; a test keeps them equal).
+# The provider gives up on a resource this long after its start
+# (decider_stacks.config.PROVIDER_TOTAL_TIMEOUT_MINUTES, which a Lambda cannot import; a test keeps
+# them equal).
 PROVIDER_DEADLINE = timedelta(minutes=55)
 # How long the check waits for an endpoint that is Updating/SystemUpdating on this deploy's config.
 UPDATING_WAIT = timedelta(minutes=30)

@@ -12,9 +12,9 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from tools.batch import cli
-from tools.batch.async_job import AsyncInvocation, wait_for_answer
-from tools.batch.jobs import BatchError
+from decider_cli.batch import cli
+from decider_cli.batch.async_job import AsyncInvocation, wait_for_answer
+from decider_cli.batch.jobs import BatchError
 
 REGION = "us-east-1"
 ACCOUNT = "123456789012"

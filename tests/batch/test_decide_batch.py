@@ -13,10 +13,10 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from stacks.config import load_config
-from stacks.synth import cdk_json_context
-from tools.batch import cli
-from tools.batch.jobs import BatchError, JobSpec, progress, summarize, transform_job_request
+from decider_cli.batch import cli
+from decider_cli.batch.jobs import BatchError, JobSpec, progress, summarize, transform_job_request
+from decider_stacks.config import load_config
+from decider_stacks.synth import cdk_json_context
 
 REGION = "us-east-1"
 ROLE = "arn:aws:iam::123456789012:role/decider-execution"
@@ -247,7 +247,7 @@ def test_gpu_submit_pins_the_batch_ami_the_cuda_image_runs_on(
 
 
 def test_transform_ami_follows_the_cuda_major() -> None:
-    from stacks.config import CUDA_IMAGE_TOOLKIT, transform_ami_for
+    from decider_stacks.config import CUDA_IMAGE_TOOLKIT, transform_ami_for
 
     assert CUDA_IMAGE_TOOLKIT == "12.4"
     assert transform_ami_for("12.4") == "al2-ami-sagemaker-batch-gpu-535"

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from rich.console import Console
 
-from tools.bench.common import (
+from decider_dev.bench.common import (
     answer_distribution,
     argmax_agreement,
     distributions,
@@ -21,8 +21,8 @@ from tools.bench.common import (
     same_questions_group,
     spread,
 )
-from tools.bench.engine import Timed, last_line, many_options_body, options_run, report
-from tools.bench.server import (
+from decider_dev.bench.engine import Timed, last_line, many_options_body, options_run, report
+from decider_dev.bench.server import (
     Level,
     MixedResult,
     MultiTurn,
@@ -228,7 +228,7 @@ def test_server_and_in_process_engine_share_their_settings():
 
 
 def test_the_text_route_reads_the_best_label_among_the_top_logprobs():
-    from tools.bench.text_route import picked_option
+    from decider_dev.bench.text_route import picked_option
 
     top = [{"token": " B", "logprob": -0.5}, {"token": "A", "logprob": -1.2}, {"token": "x", "logprob": -0.1}]
     body = {"choices": [{"logprobs": {"content": [{"token": "x", "top_logprobs": top}]}}]}
@@ -238,8 +238,8 @@ def test_the_text_route_reads_the_best_label_among_the_top_logprobs():
 
 
 def test_the_text_route_line_compares_wall_times_and_argmax():
-    from tools.bench.server import Level, Outcome, TextComparison, text_route_line
-    from tools.bench.text_route import TextRun
+    from decider_dev.bench.server import Level, Outcome, TextComparison, text_route_line
+    from decider_dev.bench.text_route import TextRun
 
     def answered(index: int, answers: dict[str, list[float]]) -> Outcome:
         body = {
@@ -264,7 +264,7 @@ def test_the_text_route_counts_the_prompt_tokens_llama_server_evaluated(monkeypa
     """Every answered request adds its `timings.prompt_n` (what llama-server's cache did not hold)."""
     import httpx
 
-    from tools.bench import text_route
+    from decider_dev.bench import text_route
 
     def reply(request: httpx.Request) -> httpx.Response:
         top = [{"token": "A", "logprob": -0.1}, {"token": "B", "logprob": -2.0}]

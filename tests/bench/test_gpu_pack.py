@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.gpu import pack
+from decider_dev.gpu import pack
 
 REPO = pack.REPO_ROOT
 SDIST_TOP = "llama_cpp_python-0.3.36"
@@ -186,15 +186,15 @@ def test_packing_fills_the_pack_and_prints_the_one_command(tmp_path: Path, smoll
 
 
 def test_the_remote_script_builds_what_ships_and_measures_in_one_call() -> None:
-    script = (REPO / "tools" / "gpu" / "remote.sh").read_text()
-    subprocess.run(["bash", "-n", str(REPO / "tools" / "gpu" / "remote.sh")], check=True)
+    script = (REPO / "tools" / "dev" / "gpu" / "remote.sh").read_text()
+    subprocess.run(["bash", "-n", str(REPO / "tools" / "dev" / "gpu" / "remote.sh")], check=True)
     # the CUDA image's own flags and library layout, never a native build for the test machine's CPU
     assert 'CMAKE_FLAGS=$(cat "$PACK/cmake-args")' in script and "CMAKE_ARGS=$CMAKE_FLAGS " in script
     assert "GGML_NATIVE=ON" not in script and "march=native" not in script
     assert 'container/llama-libs.sh" "$site"' in script and "--no-index" in script
     steps = [line.split()[1] for line in script.splitlines() if line.lstrip().startswith("step ")]
     assert steps == ["probe", "serve", "limit", "gpu-answers", "cpu-answers", "parity"]
-    assert pack.REMOTE_COMMAND == "bash tools/gpu/remote.sh"
+    assert pack.REMOTE_COMMAND == "bash tools/dev/gpu/remote.sh"
     assert "/gpu-pack/" in (REPO / ".gitignore").read_text() and "/.gpu/" in (REPO / ".gitignore").read_text()
 
 
@@ -226,8 +226,10 @@ def _stand_in_tools(bin_dir: Path) -> None:
 
 def test_the_remote_script_stops_cleanly_before_a_step_its_time_cannot_hold(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
-    (tree / "tools" / "gpu").mkdir(parents=True)
-    (tree / "tools" / "gpu" / "remote.sh").write_text((REPO / "tools" / "gpu" / "remote.sh").read_text())
+    (tree / "tools" / "dev" / "gpu").mkdir(parents=True)
+    (tree / "tools" / "dev" / "gpu" / "remote.sh").write_text(
+        (REPO / "tools" / "dev" / "gpu" / "remote.sh").read_text()
+    )
     (tree / "gpu-pack" / "wheels").mkdir(parents=True)
     (tree / "gpu-pack" / "cmake-args").write_text("-DGGML_CUDA=ON\n")
     _stand_in_tools(tmp_path / "bin")
@@ -238,7 +240,7 @@ def test_the_remote_script_stops_cleanly_before_a_step_its_time_cannot_hold(tmp_
     }
     (tmp_path / "out").mkdir()
     done = subprocess.run(
-        ["bash", str(tree / "tools" / "gpu" / "remote.sh")],
+        ["bash", str(tree / "tools" / "dev" / "gpu" / "remote.sh")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -249,9 +251,9 @@ def test_the_remote_script_stops_cleanly_before_a_step_its_time_cannot_hold(tmp_
 
 
 def test_the_remote_script_without_a_pack_says_so(tmp_path: Path) -> None:
-    copy = tmp_path / "tree" / "tools" / "gpu"
+    copy = tmp_path / "tree" / "tools" / "dev" / "gpu"
     copy.mkdir(parents=True)
-    (copy / "remote.sh").write_text((REPO / "tools" / "gpu" / "remote.sh").read_text())
+    (copy / "remote.sh").write_text((REPO / "tools" / "dev" / "gpu" / "remote.sh").read_text())
     done = subprocess.run(["bash", str(copy / "remote.sh")], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "gpu-pack is missing" in done.stderr
 
@@ -259,7 +261,7 @@ def test_the_remote_script_without_a_pack_says_so(tmp_path: Path) -> None:
 def test_the_measurements_serve_the_generated_model_with_the_stack_s_settings_and_the_probe_s_overrides(
     tmp_path: Path,
 ) -> None:
-    from tools.gpu import measure
+    from decider_dev.gpu import measure
 
     env_file = tmp_path / "serve-env.json"
     env_file.write_text(json.dumps(pack.gpu_environment(REPO / pack.GPU_SNAPSHOT)))

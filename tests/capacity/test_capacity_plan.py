@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from stacks.config import container_settings, load_config
-from stacks.synth import cdk_json_context
-from tools.capacity import cli, planner
+from decider_cli.capacity import cli, planner
+from decider_stacks.config import container_settings, load_config
+from decider_stacks.synth import cdk_json_context
 
 
 def test_the_fit_reproduces_the_measured_points():

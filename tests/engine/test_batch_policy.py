@@ -8,6 +8,10 @@ the invariance pad, and with invariance every micro-batch holds 2-63 tokens.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from decider.invariance import (
     HEAD_SEQ,
     MAX_INVARIANT_UBATCH,
@@ -15,9 +19,6 @@ from decider.invariance import (
     BatchPolicy,
 )
 from decider.settings import Settings
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from pydantic import ValidationError
 
 
 def _accepted(**fields: object) -> Settings | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from decider.engine import constraints, schema_rewrite
 from decider.engine.constraints import (
     INVALID,

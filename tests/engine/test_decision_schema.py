@@ -4,6 +4,12 @@ import json
 import math
 
 import pytest
+from engine_helpers import EXAMPLE
+from typesafe_sdk import Choice, Noul, Score
+from typesafe_sdk._core.json import serialize
+from typesafe_sdk._core.questions import normalize_questions
+from typesafe_sdk._core.response_types import SystemOneResponse
+
 from decider.errors import RequestError
 from decider.schemas.decision import (
     ChoiceAnswer,
@@ -14,11 +20,6 @@ from decider.schemas.decision import (
     parse_decision_request,
     parse_decision_request_bytes,
 )
-from engine_helpers import EXAMPLE
-from typesafe_sdk import Choice, Noul, Score
-from typesafe_sdk._core.json import serialize
-from typesafe_sdk._core.questions import normalize_questions
-from typesafe_sdk._core.response_types import SystemOneResponse
 
 
 def with_question(question, key="q", **top):

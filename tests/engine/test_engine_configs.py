@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from decider.engine import DecisionEngine
 from decider.errors import StartupError
 from decider.schemas.decision import parse_batch_request, parse_decision_request

@@ -10,6 +10,8 @@ import time
 import uuid
 
 import pytest
+from engine_helpers import EXAMPLE
+
 from decider.engine.bundled import SMOLLM2_SHA256
 from decider.engine.jobs import Job
 from decider.engine.labels import READOUT_CHAIN, READOUT_SINGLE, build_label_table
@@ -18,7 +20,6 @@ from decider.engine.work import DecisionWork
 from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.decision import DecisionResponse, parse_decision_request
 from decider.server.answers import decision_response
-from engine_helpers import EXAMPLE
 
 pytestmark = pytest.mark.model
 

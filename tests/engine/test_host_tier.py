@@ -15,14 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from decider.engine import DecisionEngine
-from decider.engine.native import Row
-from decider.engine.prefix_cache import CHAT, STATE, Caches, StateCache
-from decider.engine.steps import SeqPool, Step
-from decider.invariance import HEAD_SEQ
-from decider.schemas.decision import parse_decision_request
-from decider.server.metrics import ServerMetrics
-from decider.settings import Settings
 from engine_helpers import EXAMPLE
 from test_state_cache import (
     OTHER_QUESTIONS,
@@ -38,6 +30,15 @@ from test_state_cache import (
     state_tokens,
     unique,
 )
+
+from decider.engine import DecisionEngine
+from decider.engine.native import Row
+from decider.engine.prefix_cache import CHAT, STATE, Caches, StateCache
+from decider.engine.steps import SeqPool, Step
+from decider.invariance import HEAD_SEQ
+from decider.schemas.decision import parse_decision_request
+from decider.server.metrics import ServerMetrics
+from decider.settings import Settings
 
 
 # --- bookkeeping, on fakes ---------------------------------------------------------------------------

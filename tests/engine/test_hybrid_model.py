@@ -1,6 +1,6 @@
 """The decision paths on the production model's architecture: Qwen3.5 (`qwen35`), a hybrid of gated
 delta-net recurrent layers and attention, as a tiny random-weight GGUF built at test time
-(tools/qwen35_gguf.py). Mechanics, not answers: every decode succeeds, every sequence is released, and
+(tools/dev/qwen35_gguf.py). Mechanics, not answers: every decode succeeds, every sequence is released, and
 shared and fresh answers agree as far as the architecture allows.
 
 Batch invariance does not hold there: llama.cpp splits a hybrid model's decodes into micro-batches
@@ -24,6 +24,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
+from engine_helpers import EXAMPLE
+
 from decider.engine import DecisionEngine
 from decider.engine.chat import ChatWork
 from decider.engine.labels import READOUT_CHAIN, build_label_table
@@ -41,9 +43,7 @@ from decider.invariance import HEAD_SEQ, BatchPolicy
 from decider.schemas.decision import DecisionResponse, parse_batch_request, parse_decision_request
 from decider.server.answers import decision_response
 from decider.settings import Settings
-from engine_helpers import EXAMPLE
-
-from tools.qwen35_gguf import ARCH
+from decider_dev.qwen35_gguf import ARCH
 
 pytestmark = pytest.mark.model
 

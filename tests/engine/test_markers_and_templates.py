@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 import llama_cpp
 import pytest
+
 from decider.engine.generation import chat_tokens
 from decider.engine.markers import CallerText, Marker, MarkerError, template_printed_tokens
 from decider.engine.prompt import (

@@ -5,12 +5,13 @@ Mistral-style template). Mechanics only: which token ids a prompt holds."""
 from __future__ import annotations
 
 import pytest
+from test_markers_and_templates import CONVERSATION, MISTRAL
+
 from decider.engine import DecisionEngine
 from decider.engine.generation import chat_tokens
 from decider.engine.markers import CallerText
 from decider.engine.prompt import FALLBACK_TEMPLATES, ChatTemplate
 from decider.settings import Settings
-from test_markers_and_templates import CONVERSATION, MISTRAL
 
 pytestmark = pytest.mark.model
 

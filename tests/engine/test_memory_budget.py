@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from decider.memory_budget import (
     GIB,
     HOST_TIER_CAP,

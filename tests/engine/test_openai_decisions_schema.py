@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.types import Decision
+
 from decider.errors import RequestError
 from decider.schemas.decision import (
     ChoiceAnswer,
@@ -17,7 +19,6 @@ from decider.schemas.decision import (
     parse_decision_request,
 )
 from decider.schemas.openai_decisions import parse_openai_decision_request
-from openai.types import Decision
 
 LIMITS = {"max_questions": 64, "max_options": 64, "max_permutations": 8}
 QUESTIONS = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from decider.engine.labels import LabelError, build_label_table
 from decider.engine.prompt import (
     FALLBACK_TEMPLATES,

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+
 from decider.engine.decisions import Item, allowed_mass, common_prefix_length, label_scores
 from decider.engine.labels import (
     READOUT_CHAIN,

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
 from decider.engine.decisions import DecisionPlanner
 from decider.errors import RequestError
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.settings import Settings
-
-from tools.demo import SAMPLE_REQUEST
+from decider_dev.demo import SAMPLE_REQUEST
 
 pytestmark = pytest.mark.model
 WORDS = "the customer says the payment failed again and asks what to do next "  # ~4.5 bytes a token

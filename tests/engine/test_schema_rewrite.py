@@ -9,9 +9,10 @@ from typing import Any
 
 import jsonschema
 import pytest
+from test_constraints import FAKE
+
 from decider.engine import schema_rewrite
 from decider.engine.constraints import INVALID, ConstraintError, compile_constraint
-from test_constraints import FAKE
 
 
 def compiles(schema: dict[str, Any], *, strict: bool = False) -> bool:

@@ -20,6 +20,8 @@ from typing import Any
 
 import llama_cpp
 import pytest
+from engine_helpers import EXAMPLE
+
 from decider.engine import DecisionEngine, constraints
 from decider.engine.generation import GenerationUsage
 from decider.engine.host_cache import HostCache
@@ -31,7 +33,6 @@ from decider.invariance import HEAD_SEQ, TILED_MM_ENV
 from decider.schemas.decision import DecisionResponse, parse_decision_request
 from decider.server.answers import decision_response
 from decider.settings import Settings
-from engine_helpers import EXAMPLE
 
 # A kept state's answers against a new prefill: the rows after the copy are decoded in other
 # micro-batch shapes than one whole prefill, and without batch invariance SmolLM2's probabilities

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.evaluate.jevbench import GOLD_240, JEVBENCH_240_CASES, MISSING_HINT
+from decider_cli.evaluate.jevbench import GOLD_240, JEVBENCH_240_CASES, MISSING_HINT
 
 
 @pytest.fixture

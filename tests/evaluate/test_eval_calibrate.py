@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from tools.evaluate.calibrate import calibrate_rows, fit_temperature, mean_nll
-from tools.evaluate.metrics import argmax_label, softmax
-from tools.evaluate.results import ResultRow
+from decider_cli.evaluate.calibrate import calibrate_rows, fit_temperature, mean_nll
+from decider_cli.evaluate.metrics import argmax_label, softmax
+from decider_cli.evaluate.results import ResultRow
 
 
 def overconfident_rows(

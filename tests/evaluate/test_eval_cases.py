@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tools.evaluate.cases import (
+from decider_cli.evaluate.cases import (
     UNKNOWN,
     CaseFileError,
     build_request,

@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tools.evaluate.cli import main
-from tools.evaluate.results import load_run
+from decider_cli.evaluate.cli import main
+from decider_cli.evaluate.results import load_run
 
 
 def fake_logits(text: str, n: int, bias: float) -> list[float]:

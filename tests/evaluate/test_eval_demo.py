@@ -1,8 +1,7 @@
 """The main job's cheap parts: its sample request is valid, and missing data is a clear error."""
 
 from decider.schemas.decision import parse_decision_request
-
-from tools import demo
+from decider_dev import demo
 
 
 def test_sample_request_is_a_valid_decision_request():

@@ -1,4 +1,4 @@
-"""End to end: `decide-eval run` against the REAL server (tools/local_server.py) on the bundled model.
+"""End to end: `decide-eval run` against the REAL server (tools/dev/local_server.py) on the bundled model.
 
 A small JevBench subset (two cases cut to one question of each type) plus one request the server must
 refuse, so that the run shows both real answers and a server error recorded with its code. The model is
@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from tools.evaluate.cli import main
-from tools.evaluate.results import load_run
-from tools.local_server import run_local_server
+from decider_cli.evaluate.cli import main
+from decider_cli.evaluate.results import load_run
+from decider_dev.local_server import run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from test_eval_cli import fake_server, labelled_file  # noqa: F401  (a fixture, reused)
 
-from tools.evaluate.check import Bounds, check_runs, load_run_or_baseline, save_baseline
-from tools.evaluate.cli import main
-from tools.evaluate.metrics import argmax_label, expected_calibration_error
-from tools.evaluate.results import RequestRecord, ResultRow, RunMeta, load_run
-from tools.evaluate.thresholds import choose_cut, compute_thresholds, row_confidence, wilson
+from decider_cli.evaluate.check import Bounds, check_runs, load_run_or_baseline, save_baseline
+from decider_cli.evaluate.cli import main
+from decider_cli.evaluate.metrics import argmax_label, expected_calibration_error
+from decider_cli.evaluate.results import RequestRecord, ResultRow, RunMeta, load_run
+from decider_cli.evaluate.thresholds import choose_cut, compute_thresholds, row_confidence, wilson
 
 
 def rows_with_confidence(n: int, seed: int = 0, *, qtype: str = "choice", key: str = "k") -> list[ResultRow]:

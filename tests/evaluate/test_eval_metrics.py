@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tools.evaluate.metrics import (
+from decider_cli.evaluate.metrics import (
     argmax_label,
     brier,
     expected_calibration_error,

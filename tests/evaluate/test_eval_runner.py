@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from tools.evaluate.cases import EvalItem, QuestionSpec
-from tools.evaluate.results import RUN_FILE, load_run
-from tools.evaluate.runner import new_meta, run_evaluation
-from tools.evaluate.targets import Reply
+from decider_cli.evaluate.cases import EvalItem, QuestionSpec
+from decider_cli.evaluate.results import RUN_FILE, load_run
+from decider_cli.evaluate.runner import new_meta, run_evaluation
+from decider_cli.evaluate.targets import Reply
 
 SPEC = QuestionSpec("q", "noul", ("true", "false"))
 

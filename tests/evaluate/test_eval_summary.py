@@ -2,10 +2,10 @@
 
 import pytest
 
-from tools.evaluate.cases import UNKNOWN, EvalItem, QuestionSpec
-from tools.evaluate.results import RequestRecord, RunMeta, logits_from_answer, rows_from_reply
-from tools.evaluate.summary import headline, is_abstention, summarize
-from tools.evaluate.targets import Reply
+from decider_cli.evaluate.cases import UNKNOWN, EvalItem, QuestionSpec
+from decider_cli.evaluate.results import RequestRecord, RunMeta, logits_from_answer, rows_from_reply
+from decider_cli.evaluate.summary import headline, is_abstention, summarize
+from decider_cli.evaluate.targets import Reply
 
 NOUL = QuestionSpec("n", "noul", ("true", "false"))
 CHOICE = QuestionSpec("c", "choice", ("a", "b", "c"))

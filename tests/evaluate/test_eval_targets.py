@@ -9,7 +9,7 @@ import pytest
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
-from tools.evaluate.targets import HttpTarget, SageMakerTarget, TargetError, make_target
+from decider_cli.evaluate.targets import HttpTarget, SageMakerTarget, TargetError, make_target
 
 OK_BODY = {"model": "m", "answers": {"q": {"type": "noul", "noul": 0.25}}}
 

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tools import demo
-from tools.evaluate import jevbench
-from tools.evaluate.cases import default_gold_path, load_items
+from decider_cli.evaluate import jevbench
+from decider_cli.evaluate.cases import default_gold_path, load_items
+from decider_cli.infra_diff.tree_packages import link_packages
+from decider_dev import demo
 
 REPO = Path(__file__).resolve().parents[2]
 GOLD_SHA256 = "25438a91d951ccc97fa05cc796fd74fec75f34ceae39c347f4e4ba6d4e3fe83a"
@@ -116,22 +118,30 @@ def test_the_demo_data_loads_from_a_copy_of_the_tree_with_no_shared_folder(tmp_p
     """The demo's loader, run from a copy of `tools/` in a folder with no shared/ beside it."""
     clone = tmp_path / "clone"
     shutil.copytree(REPO / "tools", clone / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", clone)
+    links = link_packages(clone, tmp_path / "packages")  # the copy's packages ahead of the checkout's
     assert not (tmp_path / SHARED).exists()
     script = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "import tools.evaluate.jevbench as data\n"
-        "from tools import demo\n"
-        "from tools.evaluate.cases import load_items\n"
+        "import decider_cli.evaluate.jevbench as data\n"
+        "from decider_dev import demo\n"
+        "from decider_cli.evaluate.cases import load_items\n"
         "items = load_items(demo.DEFAULT_CASES, demo.DEFAULT_GOLD)\n"
         "print(json.dumps({'module': data.__file__, 'gold': str(demo.DEFAULT_GOLD), 'items': len(items),\n"
         "                  'labelled': sum(bool(i.gold) for i in items)}))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=clone, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", script],
+        cwd=clone,
+        env={**os.environ, "PYTHONPATH": str(links)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert Path(seen["module"]).is_relative_to(clone)  # the copy ran, not the checkout
-    assert Path(seen["gold"]).is_relative_to(clone)
+    assert Path(seen["module"]).resolve().is_relative_to(clone)  # the copy ran, not the checkout
+    assert Path(seen["gold"]).resolve().is_relative_to(clone)
     assert seen["items"] == 240 and seen["labelled"] == 240

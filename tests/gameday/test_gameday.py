@@ -15,8 +15,8 @@ import pytest
 from botocore.response import StreamingBody
 from botocore.stub import ANY, Stubber
 
-from tools.gameday import cli, scenarios
-from tools.gameday.lab import Lab, Scratch, Variant, template
+from decider_dev.gameday import cli, scenarios
+from decider_dev.gameday.lab import Lab, Scratch, Variant, template
 
 REGION, ACCOUNT = "us-east-1", "123456789012"
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)

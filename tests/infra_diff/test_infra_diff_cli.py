@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.infra_diff import cli
+from decider_cli.infra_diff import cli
 
 APP = """
 import json, os, pathlib
@@ -148,3 +148,41 @@ def test_fail_on_warning_gates_a_change_sagemaker_would_refuse(repo, tmp_path, c
     assert (
         cli.main(["--repo", str(repo), "--baseline", str(baseline), "--fail-on-warning"]) == cli.EXIT_CHANGED
     )
+
+
+SYNTH = """
+import json
+from {package}.instances import INSTANCE
+
+def synthesize(outdir, context):
+    outdir.mkdir(parents=True, exist_ok=True)
+    template = {{"Resources": {{"Config": {{"Type": "AWS::SageMaker::EndpointConfig", "Properties": {{
+        "ProductionVariants": [{{"VariantName": "AllTraffic", "InstanceType": INSTANCE}}]}}}}}}}}
+    (outdir / "CpuStack.template.json").write_text(json.dumps(template))
+    (outdir / "manifest.json").write_text(json.dumps({{"artifacts": {{"CpuStack": {{
+        "type": "aws:cloudformation:stack", "properties": {{"templateFile": "CpuStack.template.json"}}}}}}}}))
+"""
+
+
+def _write_stacks(repo: Path, package: str, instance: str) -> None:
+    (repo / "app.py").write_text("raise SystemExit('the synth goes through stacks/synth.py')\n")
+    (repo / "cdk.json").write_text(json.dumps({"app": "python app.py", "context": {}}))
+    (repo / "stacks").mkdir(exist_ok=True)
+    (repo / "stacks" / "__init__.py").write_text("")
+    (repo / "stacks" / "synth.py").write_text(SYNTH.format(package=package))
+    (repo / "stacks" / "instances.py").write_text(f"INSTANCE = {instance!r}\n")
+    if package != "stacks":
+        (repo / "pyproject.toml").write_text(f'[tool.setuptools]\npackage-dir = {{ {package} = "stacks" }}\n')
+
+
+def test_a_revision_from_before_the_package_names_diffs_against_one_after(tmp_path, capsys):
+    """The base names its CDK package `stacks`, the head `decider_stacks` (package-dir): each tree's
+    synth imports that tree's own modules, not the installed `decider_stacks` of this checkout."""
+    _git(tmp_path, "init", "-q")
+    _write_stacks(tmp_path, "stacks", "ml.c7i.xlarge")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-q", "-m", "before the package names")
+    _write_stacks(tmp_path, "decider_stacks", "ml.c7i.2xlarge")
+    assert cli.main(["--repo", str(tmp_path), "--base", "HEAD", "--fail-on-change"]) == cli.EXIT_CHANGED
+    out = capsys.readouterr().out
+    assert "REPLACE CpuStack/Config" in out and "ml.c7i.xlarge" in out and "ml.c7i.2xlarge" in out

@@ -7,9 +7,9 @@ import json
 
 from rich.console import Console
 
-from tools.infra_diff.diff import diff_templates, leaf_changes, references
-from tools.infra_diff.render import show_report
-from tools.infra_diff.schemas import create_only_properties, matches
+from decider_cli.infra_diff.diff import diff_templates, leaf_changes, references
+from decider_cli.infra_diff.render import show_report
+from decider_cli.infra_diff.schemas import create_only_properties, matches
 
 IMAGE_A = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "a" * 64
 IMAGE_B = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "b" * 64
@@ -351,6 +351,6 @@ def test_a_replacement_under_the_same_endpoint_name_is_said_to_fail():
     new["Resources"]["Endpoint"]["Properties"]["Tags"] = [{"Key": "k", "Value": "v"}]
     note = diff_templates({"S": old}, {"S": new})  # no create-only change: no replacement
     assert not note.replacements
-    from tools.infra_diff.diff import endpoint_replacement_note
+    from decider_cli.infra_diff.diff import endpoint_replacement_note
 
     assert "FAILS" in endpoint_replacement_note({"EndpointName": "e"}, {"EndpointName": "e"})

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tools.infra_diff.diff import diff_templates
-from tools.infra_diff.render import show_report
-from tools.infra_diff.synth import SynthJob, cdk_json_context, synthesize_many
+from decider_cli.infra_diff.diff import diff_templates
+from decider_cli.infra_diff.render import show_report
+from decider_cli.infra_diff.synth import SynthJob, cdk_json_context, synthesize_many
 
 pytestmark = pytest.mark.cdk
 

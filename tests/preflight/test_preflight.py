@@ -11,9 +11,9 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from stacks.config import load_config
-from stacks.synth import cdk_json_context
-from tools.preflight import checks, cli
+from decider_cli.preflight import checks, cli
+from decider_stacks.config import load_config
+from decider_stacks.synth import cdk_json_context
 
 ACCOUNT, REGION = "123456789012", "eu-west-1"
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -16,7 +16,7 @@ from moto.server import ThreadedMotoServer
 from promote_constants import IMAGE_A, REGION, ROLE
 from rich.console import Console
 
-from tools.promote import cli
+from decider_cli.promote import cli
 
 
 def _free_port() -> int:

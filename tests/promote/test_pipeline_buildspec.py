@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from tools.infra_diff.cli import build_parser as infra_diff_parser
-from tools.promote.cli import build_parser as promote_parser
+from decider_cli.infra_diff.cli import build_parser as infra_diff_parser
+from decider_cli.promote.cli import build_parser as promote_parser
 
 PIPELINE = Path(__file__).resolve().parents[2] / "buildspec" / "pipeline.yml"
 
@@ -44,7 +44,7 @@ def test_stages_run_in_order():
 
 
 def test_the_quality_gate_uses_existing_decide_eval_subcommands_and_flags():
-    from tools.evaluate.cli import build_parser as eval_parser
+    from decider_cli.evaluate.cli import build_parser as eval_parser
 
     gate = (PIPELINE.parent / "quality-gate.sh").read_text()
     parser = eval_parser()
@@ -79,8 +79,8 @@ def test_ci_images_get_the_build_arguments_of_the_config():
     """The CUDA image is compiled for the GPUs the config allows, as the deploy-time build does."""
     import subprocess
 
-    from stacks.config import load_config
-    from stacks.synth import cdk_json_context
+    from decider_stacks.config import load_config
+    from decider_stacks.synth import cdk_json_context
 
     block = next(c for c in _commands() if "build_args()" in c)
     function = block[: block.index("build_image()")]
@@ -214,12 +214,14 @@ def _timeout_step(tmp_path: Path, minutes: str):
 
 
 def test_the_build_refuses_a_project_timeout_shorter_than_its_two_canary_deploys(tmp_path):
-    from stacks.config import load_config
-    from stacks.synth import cdk_json_context
-    from tools.promote import ci_budget
+    from decider_cli.promote import ci_budget
+    from decider_stacks.config import load_config
+    from decider_stacks.synth import cdk_json_context
 
     text = "\n".join(_commands())
-    assert text.index("tools.promote.ci_budget") < text.index("make test") < text.index("npx cdk deploy")
+    assert (
+        text.index("decider_cli.promote.ci_budget") < text.index("make test") < text.index("npx cdk deploy")
+    )
     needed = ci_budget.pipeline_minutes(load_config(cdk_json_context()))
     assert needed > 60  # CodeBuild's default timeout cannot hold the pipeline
     short = _timeout_step(tmp_path / "short", "60")

@@ -1,6 +1,7 @@
 """The quality gate of the CI example, end to end: the pipeline's `promote apply` block and
 buildspec/quality-gate.sh run for real in bash, against moto (the control plane, through AWS_ENDPOINT_URL)
-and the SageMaker runtime stand-in (tools/proxy/standin.py) in front of the real server on the bundled model.
+and the SageMaker runtime stand-in (tools/cli/proxy/standin.py) in front of the real server on the
+bundled model.
 
 Three promotions of one endpoint outside CDK:
 1. no baseline yet: the gate passes and the run becomes the baseline;
@@ -23,11 +24,11 @@ import pytest
 import yaml
 from promote_constants import IMAGE_A, IMAGE_B, REPO
 
-from tools.evaluate.check import load_run_or_baseline
-from tools.evaluate.cli import main as decide_eval
-from tools.evaluate.results import load_run
-from tools.local_server import LocalServer, run_local_server
-from tools.proxy.standin import RunningStandin, run_standin
+from decider_cli.evaluate.check import load_run_or_baseline
+from decider_cli.evaluate.cli import main as decide_eval
+from decider_cli.evaluate.results import load_run
+from decider_cli.proxy.standin import RunningStandin, run_standin
+from decider_dev.local_server import LocalServer, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ import json
 import pytest
 from promote_constants import CHAT_BODY, IMAGE_A, IMAGE_B, REGION, REPO
 
-from tools.promote import cli
-from tools.promote.errors import EXIT_OK, EXIT_ROLLED_BACK
-from tools.promote.live import TAG_ROLLBACK
+from decider_cli.promote import cli
+from decider_cli.promote.errors import EXIT_OK, EXIT_ROLLED_BACK
+from decider_cli.promote.live import TAG_ROLLBACK
 
 FAST = ["--poll-seconds", "0", "--timeout-minutes", "1"]
 IMAGE_C = f"{REPO}@sha256:{'c' * 64}"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from promote_constants import IMAGE_B, REPO
 
-from tools.promote import cli
-from tools.promote.errors import EXIT_REFUSED
+from decider_cli.promote import cli
+from decider_cli.promote.errors import EXIT_REFUSED
 
 FAST = ["--poll-seconds", "0", "--timeout-minutes", "1"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from promote_constants import CHAT_BODY, DECISION_BODY, IMAGE_A, IMAGE_B
 
-from tools.promote import cli
-from tools.promote.errors import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK
-from tools.promote.live import TAG_ENDPOINT, TAG_ROLLBACK
+from decider_cli.promote import cli
+from decider_cli.promote.errors import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK
+from decider_cli.promote.live import TAG_ENDPOINT, TAG_ROLLBACK
 
 FAST = ["--poll-seconds", "0", "--timeout-minutes", "1"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from promote_constants import IMAGE_A, REPO
 
-from tools.promote import cli
-from tools.promote.errors import EXIT_OK
+from decider_cli.promote import cli
+from decider_cli.promote.errors import EXIT_OK
 
 FAST = ["--poll-seconds", "0", "--timeout-minutes", "1", "--skip-smoke"]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from promote_constants import IMAGE_A, IMAGE_B, ROLE
 
-from tools.promote.clients import make_clients
-from tools.promote.errors import GuardrailError
-from tools.promote.spec import (
+from decider_cli.promote.clients import make_clients
+from decider_cli.promote.errors import GuardrailError
+from decider_cli.promote.spec import (
     NAME_PATTERN,
     Overrides,
     compute_promotion,
@@ -131,7 +131,7 @@ def test_console_script_against_moto_server(aws):
 
 
 def test_missing_profile_and_region_are_clear_errors(monkeypatch, capsys):
-    from tools.promote import cli
+    from decider_cli.promote import cli
 
     monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
     monkeypatch.delenv("AWS_REGION", raising=False)
@@ -166,7 +166,7 @@ def test_the_copied_keys_are_every_create_member_of_the_installed_botocore():
     """A field SageMaker adds to ProductionVariant or CreateEndpointConfig is copied, not dropped."""
     import botocore.session
 
-    from tools.promote.spec import CONFIG_KEYS, VARIANT_KEYS
+    from decider_cli.promote.spec import CONFIG_KEYS, VARIANT_KEYS
 
     service = botocore.session.get_session().get_service_model("sagemaker")
     assert set(VARIANT_KEYS) == set(service.shape_for("ProductionVariant").members)

@@ -8,8 +8,8 @@ from botocore.awsrequest import AWSResponse
 from botocore.stub import Stubber
 from rich.console import Console
 
-from tools.promote.clients import make_clients
-from tools.promote.deploy import call_with_backoff, wait_for_update
+from decider_cli.promote.clients import make_clients
+from decider_cli.promote.deploy import call_with_backoff, wait_for_update
 
 
 class _Raw:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from botocore.stub import Stubber
 from rich.console import Console
 
-from tools.promote.clients import make_clients
-from tools.promote.deploy import wait_for_update
+from decider_cli.promote.clients import make_clients
+from decider_cli.promote.deploy import wait_for_update
 
 BASE = {
     "EndpointName": "e",

@@ -19,8 +19,8 @@ from botocore.exceptions import (
 from botocore.response import StreamingBody
 from botocore.stub import ANY, Stubber
 
-from tools.proxy.invoker import ProxyRequest, SageMakerInvoker, _payload_parts
-from tools.proxy.sagemaker_errors import map_botocore_error
+from decider_cli.proxy.invoker import ProxyRequest, SageMakerInvoker, _payload_parts
+from decider_cli.proxy.sagemaker_errors import map_botocore_error
 
 CONTAINER_422 = {
     "error": {

@@ -3,7 +3,7 @@
 One server with the default settings is shared by the whole session (`live_server`), one more
 with batch invariance on by the bitwise comparisons (`invariant_server`); tests that need other settings
 (a tiny queue, a short deadline, a start-up failure, SIGTERM) start their own with
-`tools.local_server`. The live servers use one inference thread: on this 2-core machine that
+`decider_dev.local_server`. The live servers use one inference thread: on this 2-core machine that
 leaves a core for the HTTP loop and the test clients, and keeps timings steady when other work
 shares the machine (with OpenMP threads oversubscribed, llama.cpp slows down many times over).
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tools.local_server import LocalServer, RemoteServer, remote_server, run_local_server
+from decider_dev.local_server import LocalServer, RemoteServer, remote_server, run_local_server
 
 LIVE_ENV = {"DECIDER_N_THREADS": "1"}
 REMOTE_READY_TIMEOUT_SECONDS = 60

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import sys
 
+from server_fakes import FakeEngine
+
 from decider.server.serve import run
 from decider.settings import Settings
-from server_fakes import FakeEngine
 
 
 class EngineCrash(BaseException):

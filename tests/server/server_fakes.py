@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from decider.engine.chat import ChatPlan, ChatWork
 from decider.engine.cost import span_attended
 from decider.engine.decisions import DecisionPlan, DecisionPlanner

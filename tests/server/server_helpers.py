@@ -12,7 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tools.local_server import BASE_URL_ENV, free_port, remote_server
+from decider_dev.local_server import BASE_URL_ENV, free_port, remote_server
 
 # For tests that start a server with settings of their own (a tiny queue, a broken model, SIGTERM):
 # they cannot run against the one server named by DECIDER_TEST_BASE_URL.

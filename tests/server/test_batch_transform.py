@@ -11,6 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from server_fakes import FakeEngine
+from server_helpers import assert_error_body
+from starlette.testclient import TestClient
+
 from decider.server.app import create_app
 from decider.server.batch_transform import (
     batch_settings,
@@ -20,9 +24,6 @@ from decider.server.batch_transform import (
     split_records,
 )
 from decider.settings import Settings
-from server_fakes import FakeEngine
-from server_helpers import assert_error_body
-from starlette.testclient import TestClient
 
 JSONL = {"Content-Type": "application/jsonlines"}
 GOOD = {

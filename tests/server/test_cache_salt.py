@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from decider.errors import RequestError
-from decider.schemas.cache_salt import MAX_SALT_CHARS, cache_space
 from hypothesis import given
 from hypothesis import strategies as st
+
+from decider.errors import RequestError
+from decider.schemas.cache_salt import MAX_SALT_CHARS, cache_space
 
 HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from decider.server.app import create_app
-from decider.settings import Settings
 from server_fakes import FakeEngine
 from server_helpers import serve_in_thread
+
+from decider.server.app import create_app
+from decider.settings import Settings
 
 DECISION = {"state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

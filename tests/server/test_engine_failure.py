@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import httpx
-from decider.server.app import create_app
-from decider.settings import Settings
 from server_fakes import FakeEngine
 from server_helpers import assert_error_body
 from starlette.testclient import TestClient
 
-from tools.local_server import free_port
+from decider.server.app import create_app
+from decider.settings import Settings
+from decider_dev.local_server import free_port
 
 DECISION = {"state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}
 CHILD = Path(__file__).with_name("engine_crash_child.py")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from decider.engine.ggml_backends import (
     CUDA_LIBRARY,
     Backends,

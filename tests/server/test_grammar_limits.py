@@ -13,13 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
-from decider.engine.schema_limits import GrammarLimitError, check_schema
-from decider.settings import GrammarLimits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import assert_error_body
 
-from tools.local_server import LocalServer
+from decider.engine.schema_limits import GrammarLimitError, check_schema
+from decider.settings import GrammarLimits
+from decider_dev.local_server import LocalServer
 
 
 def _object(**field: Any) -> dict[str, Any]:

@@ -15,15 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from openai.types import Decision
+from server_fakes import FakeEngine
+from server_helpers import assert_error_body
+from starlette.testclient import TestClient
+
 from decider.engine.decisions import DecisionOutcome
 from decider.engine.native import NativeError
 from decider.server import handlers
 from decider.server.app import create_app
 from decider.settings import Settings
-from openai.types import Decision
-from server_fakes import FakeEngine
-from server_helpers import assert_error_body
-from starlette.testclient import TestClient
 
 DECISION = {
     "state": "I was charged twice for one order.",
@@ -545,8 +546,9 @@ def test_the_key_is_never_logged_or_put_into_a_sagemaker_environment(
     assert API_KEY not in repr(settings) and API_KEY not in str(settings)
     with pytest.raises(ValueError, match="outside SageMaker"):
         settings.to_environment()
-    from decider.cli import describe_settings_error
     from pydantic import ValidationError
+
+    from decider.cli import describe_settings_error
 
     with pytest.raises(ValidationError) as bad:
         Settings(model_path="/x", api_key="short-secret")

@@ -17,9 +17,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tools.image.contract import ModelSource, bad_starts, model_dir
-from tools.image.docker import Docker
-from tools.image.template import TemplateError, container_spec, instance_type, model_environment
+from decider_dev.image.contract import ModelSource, bad_starts, model_dir
+from decider_dev.image.docker import Docker
+from decider_dev.image.template import TemplateError, container_spec, instance_type, model_environment
 
 REPO = Path(__file__).resolve().parents[2]
 CONTAINER = REPO / "container"
@@ -122,7 +122,7 @@ def test_the_llama_wheel_is_installed_without_its_unpinned_dependencies() -> Non
 def test_backends_come_from_the_installed_wheel_and_each_library_is_one_file(tmp_path: Path) -> None:
     runs = " ".join(_instructions("RUN"))
     # Installed copies (no build-tree RUNPATH such as "/tmp/llama-build/bin:") move next to libllama,
-    # by the script the GPU check lays its build out with too (tools/gpu/remote.sh).
+    # by the script the GPU check lays its build out with too (tools/dev/gpu/remote.sh).
     assert "/tmp/llama-build" not in runs
     assert "COPY llama-libs.sh /usr/local/bin/llama-libs" in DOCKERFILE.read_text()
     assert "sh /usr/local/bin/llama-libs /opt/venv/lib/python3.11/site-packages" in runs

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from server_helpers import assert_error_body
 
-from tools.batch.jobs import summarize
-from tools.batch.standin import TransformFailedError, pack, run_local_transform
-from tools.image.batch_contract import check_batch_transform
-from tools.local_server import LocalServer
+from decider_cli.batch.jobs import summarize
+from decider_cli.batch.standin import TransformFailedError, pack, run_local_transform
+from decider_dev.image.batch_contract import check_batch_transform
+from decider_dev.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 CASES = 2  # the shortest JevBench-240 cases (8 questions each): the suite must stay fast

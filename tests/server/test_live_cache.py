@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import DECISION
 
-from tools.local_server import LocalServer
+from decider_dev.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 OPENAI_QUESTIONS = [

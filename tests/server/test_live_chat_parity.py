@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from tools.local_server import LocalServer
+from decider_dev.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 MESSAGES = [{"role": "user", "content": "Name three colours."}]

@@ -14,7 +14,7 @@ import typesafe_sdk
 from server_helpers import CHAT, DECISION, assert_error_body
 from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
 
-from tools.local_server import LocalServer
+from decider_dev.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"

@@ -14,7 +14,7 @@ from openai.types import Decision
 from server_helpers import DECISION, assert_error_body
 from typesafe_sdk import Noul, TypeSafeClient
 
-from tools.local_server import LocalServer, remote_server, run_local_server
+from decider_dev.local_server import LocalServer, remote_server, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from server_helpers import DECISION, LOCAL_ONLY, assert_error_body
 
-from tools.local_server import LocalServer, run_local_server
+from decider_dev.local_server import LocalServer, run_local_server
 
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 STATES = [

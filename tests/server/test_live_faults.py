@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from decider.errors import EXIT_LOAD_CRASHED
 from server_helpers import CHAT, DECISION, LOCAL_ONLY, assert_error_body
 
-from tools.local_server import LocalServer, remote_server, run_local_server, start_local_server
+from decider.errors import EXIT_LOAD_CRASHED
+from decider_dev.local_server import LocalServer, remote_server, run_local_server, start_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 LONG_CHAT = {

@@ -13,13 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
+
 from decider.engine import DecisionEngine
 from decider.engine.generation import chat_tokens
 from decider.engine.markers import CallerText
 from decider.engine.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, PROMPT_V1, ChatTemplate
 from decider.settings import Settings
-
-from tools.local_server import LocalServer, run_local_server
+from decider_dev.local_server import LocalServer, run_local_server
 
 V1 = PROMPT_FORMATS[PROMPT_V1]
 

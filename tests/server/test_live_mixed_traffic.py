@@ -22,7 +22,7 @@ import httpx
 import pytest
 from server_helpers import LOCAL_ONLY
 
-from tools.local_server import LocalServer, run_local_server
+from decider_dev.local_server import LocalServer, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model, LOCAL_ONLY]
 MIXED_ENV = {"DECIDER_N_THREADS": "1", "DECIDER_DEADLINE_SECONDS": "20"}

@@ -20,10 +20,10 @@ from jevcompat.runner import run as jevcompat_run
 from server_helpers import CHAT, DECISION, assert_error_body
 from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
 
-from tools.local_server import LocalServer
-from tools.proxy import async_sagemaker_http_client, sagemaker_http_client
-from tools.proxy.sidecar import STANDIN_CREDENTIALS, RunningProxy, run_proxy
-from tools.proxy.standin import MODEL_NOT_READY, THROTTLED, RunningStandin, run_standin
+from decider_cli.proxy import async_sagemaker_http_client, sagemaker_http_client
+from decider_cli.proxy.sidecar import STANDIN_CREDENTIALS, RunningProxy, run_proxy
+from decider_cli.proxy.standin import MODEL_NOT_READY, THROTTLED, RunningStandin, run_standin
+from decider_dev.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 ENDPOINT = "decider-test"

@@ -17,15 +17,15 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from decider.schemas.openapi import openapi_document, render
-from decider.server.app import create_app
-from decider.settings import Settings
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from server_fakes import FakeEngine
 from starlette.testclient import TestClient
 
-from tools.local_server import LocalServer
+from decider.schemas.openapi import openapi_document, render
+from decider.server.app import create_app
+from decider.settings import Settings
+from decider_dev.local_server import LocalServer
 
 DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 EXAMPLES = int(os.environ.get("DECIDER_FUZZ_EXAMPLES", "4"))

@@ -11,11 +11,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from decider.server.app import create_app
-from decider.settings import Settings
 from server_fakes import FakeEngine
 from server_helpers import assert_error_body
 from starlette.testclient import TestClient
+
+from decider.server.app import create_app
+from decider.settings import Settings
 
 LIMIT = 2000
 CRITERIA = {"a": "first", "b": "second", "c": "third", "d": "fourth"}

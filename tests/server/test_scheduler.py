@@ -14,6 +14,8 @@ import uuid
 from typing import Any
 
 import pytest
+from server_fakes import FakeEngine, FakeRuntime, chars
+
 from decider.engine.chat import ChatPlan, ChatWork
 from decider.engine.jobs import Job
 from decider.engine.labels import build_label_table
@@ -29,7 +31,6 @@ from decider.errors import (
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.server.answers import decision_response
 from decider.server.metrics import ServerMetrics
-from server_fakes import FakeEngine, FakeRuntime, chars
 
 DECISION = {
     "state": "I was charged twice for one order.",

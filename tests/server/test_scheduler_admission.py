@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from server_fakes import FakeEngine
+
 from decider.engine.admission import ChatLengths
 from decider.engine.chat import ChatPlan, ChatWork
 from decider.engine.cost import Cost, CostModel, span_attended
@@ -27,7 +29,6 @@ from decider.server.handlers import _JobStream, run_until_disconnect
 from decider.server.intake import Intake
 from decider.server.metrics import ServerMetrics
 from decider.settings import CacheBudget
-from server_fakes import FakeEngine
 
 QUESTIONS = {"billing": {"type": "noul", "instructions": "Is this about billing?"}}
 

@@ -1,4 +1,4 @@
-"""Real-world schemas as response formats, live (issue 31 §3; tools/fuzz/schema_corpus.py): a sample
+"""Real-world schemas as response formats, live (issue 31 §3; tools/dev/fuzz/schema_corpus.py): a sample
 spread over SchemaStore's catalogue (`make fuzz` sends all of it). Every answer is a 200, whose content
 validates whenever the chat ended with `stop`, or a typed 4xx naming why; the engine never restarts,
 and a decision sent beside each chat is answered. (Its time beside over alone is printed by `make
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tools.fuzz.schema_corpus import Outcome, Report, corpus, run, spread
-from tools.local_server import LocalServer
+from decider_dev.fuzz.schema_corpus import Outcome, Report, corpus, run, spread
+from decider_dev.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 SAMPLE = 16

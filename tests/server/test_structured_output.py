@@ -20,8 +20,8 @@ import jsonschema
 import pytest
 from server_helpers import assert_error_body
 
-from tools.bench.constraint_engines import anyof_ref_chain
-from tools.local_server import LocalServer, remote_server, run_local_server
+from decider_dev.bench.constraint_engines import anyof_ref_chain
+from decider_dev.local_server import LocalServer, remote_server, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 RECORDED = json.loads((Path(__file__).parent / "data" / "greedy_structured_output.json").read_text())

@@ -25,11 +25,11 @@ import httpx
 import psutil
 import pytest
 from conftest import LIVE_ENV
-from decider.errors import EXIT_ENGINE_CRASHING
-from decider.server.supervisor import CRASH_BUDGET, CrashLedger, Running, fingerprint
 from server_helpers import DECISION, assert_error_body
 
-from tools.local_server import LocalServer, free_port, run_local_server
+from decider.errors import EXIT_ENGINE_CRASHING
+from decider.server.supervisor import CRASH_BUDGET, CrashLedger, Running, fingerprint
+from decider_dev.local_server import LocalServer, free_port, run_local_server
 
 FRONT = Path(__file__).with_name("fake_engine_front.py")
 RECOVERY_S = 10.0  # the bound on the bundled model

@@ -1,4 +1,4 @@
-"""The soak's accounting (tools/soak/accounting.py) on plain `requests` responses: a streamed answer
+"""The soak's accounting (tools/dev/soak/accounting.py) on plain `requests` responses: a streamed answer
 refused before its first token is counted by its typed code (it used to be read as a stream first,
 and counted as `no_error_body`), an error event inside a 200 stream by its code, and a non-200 key
 without a code is reported."""
@@ -11,7 +11,7 @@ from typing import Any
 
 import requests
 
-from tools.soak.accounting import count_key, failure, missing_codes, read_stream
+from decider_dev.soak.accounting import count_key, failure, missing_codes, read_stream
 
 
 def _streamed(status: int, body: bytes) -> requests.Response:

@@ -26,7 +26,7 @@ def only(template: dict[str, Any], cfn_type: str) -> dict[str, Any]:
 class Synth:
     outdir: Path
     templates: dict[str, dict[str, Any]]
-    decider: Any  # stacks.assembly.DeciderApp
+    decider: Any  # decider_stacks.assembly.DeciderApp
 
     def raw(self, stack: str) -> bytes:
         return (self.outdir / f"{stack}.template.json").read_bytes()
@@ -56,7 +56,7 @@ class Synth:
 
 
 def run_synth(outdir: Path, context: dict[str, Any] | None = None, *, nag: bool = True) -> Synth:
-    from stacks.synth import synthesize_assembly
+    from decider_stacks.synth import synthesize_assembly
 
     try:
         decider, assembly = synthesize_assembly(outdir, context, nag=nag)

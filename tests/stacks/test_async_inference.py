@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from stack_helpers import Synth, only, resources, run_synth
 
-from stacks.config import ConfigError, load_config
-from stacks.synth import cdk_json_context
+from decider_stacks.config import ConfigError, load_config
+from decider_stacks.synth import cdk_json_context
 
 pytestmark = pytest.mark.cdk
 ASYNC_NAME = "decider-cpu-async"

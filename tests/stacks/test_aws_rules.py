@@ -18,9 +18,9 @@ import pytest
 from aws_rules import canary_violations, rollback_readability_violations
 from stack_helpers import Synth, only, resources, run_synth
 
-from stacks.config import ConfigError, load_config
-from stacks.handlers import update_guard
-from stacks.synth import cdk_json_context
+from decider_stacks.config import ConfigError, load_config
+from decider_stacks.handlers import update_guard
+from decider_stacks.synth import cdk_json_context
 
 pytestmark = pytest.mark.cdk
 
@@ -150,7 +150,7 @@ def test_the_parking_iam_patterns_match_the_names_the_handler_makes(long_names: 
     """SageMaker ARNs carry names in lower case; a parked config keeps 42 characters of the endpoint's."""
     from fnmatch import fnmatchcase
 
-    from stacks.handlers.post_deploy_check import parking_config_name
+    from decider_stacks.handlers.post_deploy_check import parking_config_name
 
     template = long_names.templates["ImageStack"]
     for sid in ("CreateParkedConfigs", "ParkEndpoints"):

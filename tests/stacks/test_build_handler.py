@@ -12,11 +12,11 @@ import pytest
 from botocore.stub import ANY
 from handler_helpers import start_handle, stubbed_clients
 
-from stacks import config
-from stacks.handlers import build_jobs
-from stacks.handlers import codebuild_job as job
-from stacks.handlers.wait_signal import SignalError
-from stacks.synth import cdk_json_context
+from decider_stacks import config
+from decider_stacks.handlers import build_jobs
+from decider_stacks.handlers import codebuild_job as job
+from decider_stacks.handlers.wait_signal import SignalError
+from decider_stacks.synth import cdk_json_context
 
 DIGEST = "sha256:" + "ab" * 32
 REPO_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider-images"

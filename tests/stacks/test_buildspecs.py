@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stacks.paths import BUILDSPEC_DIR
+from decider_stacks.paths import BUILDSPEC_DIR
 
 FAKE_AWS = r"""#!/usr/bin/env bash
 echo "aws $*" >> "$CALLS"
@@ -187,8 +187,8 @@ def test_the_batch_transform_archive_is_staged_beside_the_prefix_the_endpoint_mo
     prefix holds the GGUF alone, which is what the volume estimate counts."""
     import tarfile
 
-    from stacks.config import load_config, mounted_model_bytes
-    from stacks.synth import cdk_json_context
+    from decider_stacks.config import load_config, mounted_model_bytes
+    from decider_stacks.synth import cdk_json_context
 
     env = model_env()
     prefix = env["MODEL_PREFIX"]

@@ -6,17 +6,17 @@ import json
 from typing import Any
 
 import pytest
-from decider.settings import Settings
 
-from stacks.config import (
+from decider.settings import Settings
+from decider_stacks.config import (
     ConfigError,
     container_environment,
     load_config,
     merge_context,
     supports_volume_kms,
 )
-from stacks.paths import ROOT as REPO_ROOT
-from stacks.synth import cdk_json_context
+from decider_stacks.paths import ROOT as REPO_ROOT
+from decider_stacks.synth import cdk_json_context
 
 DIGEST = "sha256:" + "0" * 64
 ECR_IMAGE = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@{DIGEST}"
@@ -238,7 +238,7 @@ def test_cuda_architectures_follow_the_allowed_gpus(types, archs):
 
 
 def test_the_ami_is_chosen_from_the_image_s_cuda_version():
-    from stacks.config import CUDA_IMAGE_TOOLKIT, image_cuda_version, inference_ami_for
+    from decider_stacks.config import CUDA_IMAGE_TOOLKIT, image_cuda_version, inference_ami_for
 
     assert CUDA_IMAGE_TOOLKIT == image_cuda_version() == "12.4"  # the Dockerfile's nvidia/cuda:12.4.1 bases
     dockerfile = (REPO_ROOT / "container" / "Dockerfile").read_text()
@@ -351,7 +351,7 @@ def test_cdk_entry_point_prints_every_config_error_and_exits_2(capsys):
     """`npx cdk synth -c cpu.instance_type=ml.g6.xlarge` path: the CLI hands the context to app.py."""
     import importlib.util
 
-    from stacks.paths import ROOT
+    from decider_stacks.paths import ROOT
 
     spec = importlib.util.spec_from_file_location("cdk_app", ROOT / "app.py")
     app = importlib.util.module_from_spec(spec)

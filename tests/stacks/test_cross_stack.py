@@ -80,7 +80,7 @@ def test_every_weak_reference_names_an_existing_imagestack_output(synth, stack):
 def test_outputs_earlier_endpoint_stacks_read_are_kept(synth):
     """Endpoint stacks deployed before the provider took its recipes from ImageStack read three more
     outputs; a rollback of such a stack resolves them again (ImageStack._keep_earlier_outputs)."""
-    from stacks.image_stack import EARLIER_WEAK_OUTPUTS
+    from decider_stacks.image_stack import EARLIER_WEAK_OUTPUTS
 
     image = synth.templates["ImageStack"]
     kinds = {"image-project": "AWS::CodeBuild::Project", "model-project": "AWS::CodeBuild::Project"}

@@ -15,7 +15,7 @@ from botocore.exceptions import ClientError
 from botocore.stub import ANY
 from handler_helpers import body, start_handle, stubbed_clients
 
-from stacks.handlers import (
+from decider_stacks.handlers import (
     bake_load,
     build_jobs,
     build_watcher,
@@ -24,8 +24,8 @@ from stacks.handlers import (
     update_guard,
     wait_signal,
 )
-from stacks.handlers.image_retention import parse_image_uri, protect_image
-from stacks.handlers.smoke import CHAT_REQUEST, DECISION_REQUEST
+from decider_stacks.handlers.image_retention import parse_image_uri, protect_image
+from decider_stacks.handlers.smoke import CHAT_REQUEST, DECISION_REQUEST
 
 ACCOUNT, REGION = "123456789012", "us-east-1"
 SERVICE_TOKEN = f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:ImageStack-Provider"
@@ -412,8 +412,8 @@ def poll_bake(clients: dict[str, Any], clock: FakeTime, data: dict[str, Any]) ->
 def test_every_minute_of_the_bake_gets_the_alarms_floor_of_synthetic_requests(monkeypatch):
     """With requests 2 s apart and the provider's 30 s between polls, every calendar minute (CloudWatch's
     period) of the bake gets LoadPerMinute (12) requests, at least error_rate_min_invocations (10)."""
-    from stacks.config import load_config
-    from stacks.synth import cdk_json_context
+    from decider_stacks.config import load_config
+    from decider_stacks.synth import cdk_json_context
 
     clock = FakeTime(1_767_268_817.0)  # not on a minute boundary
     monkeypatch.setattr(bake_load, "time", clock)
@@ -506,7 +506,7 @@ PARKED = post_deploy_check.parking_config_name("decider-cpu", PREVIOUS_CONFIG, "
 
 
 class RecordingJson:
-    """Stands in for stacks.handlers.sagemaker_json.SageMakerJson: records each call's body."""
+    """Stands in for decider_stacks.handlers.sagemaker_json.SageMakerJson: records each call's body."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
@@ -652,7 +652,7 @@ def test_no_parking_when_the_time_left_cannot_cover_provisioning_download_and_he
 
 
 def test_the_handlers_deadline_is_the_providers():
-    from stacks.config import PROVIDER_TOTAL_TIMEOUT_MINUTES
+    from decider_stacks.config import PROVIDER_TOTAL_TIMEOUT_MINUTES
 
     expected = timedelta(minutes=PROVIDER_TOTAL_TIMEOUT_MINUTES)
     assert expected == post_deploy_check.PROVIDER_DEADLINE
@@ -886,7 +886,7 @@ class FakeHttp:
 
 
 def test_the_json_call_sends_the_body_as_given_signed_for_sagemaker(aws):
-    from stacks.handlers.sagemaker_json import SageMakerJson
+    from decider_stacks.handlers.sagemaker_json import SageMakerJson
 
     session = boto3.session.Session(
         aws_access_key_id="AKID", aws_secret_access_key="secret", region_name=REGION
@@ -981,9 +981,9 @@ def test_the_guard_runs_before_the_image_build_and_the_staging(fixture, request)
 def test_the_guard_fingerprint_changes_with_the_variant_the_model_and_the_image():
     """The snapshots mask the fingerprint (it hashes the image tag); this holds what it follows:
     a changed variant setting, model or image re-runs the guard, an unchanged config does not."""
-    from stacks.config import load_config
-    from stacks.deploy_time_build import guard_fingerprint
-    from stacks.synth import cdk_json_context
+    from decider_stacks.config import load_config
+    from decider_stacks.deploy_time_build import guard_fingerprint
+    from decider_stacks.synth import cdk_json_context
 
     config = load_config(cdk_json_context())
     base = guard_fingerprint(config.cpu, config.model, "cpu-" + "a" * 64)

@@ -23,9 +23,11 @@ import botocore.endpoint
 import pytest
 from botocore.exceptions import ClientError, ReadTimeoutError
 
-from stacks.handlers import bake_load, codebuild_job, post_deploy_check
+from decider_stacks.handlers import bake_load, codebuild_job, post_deploy_check
 
-IS_COMPLETE_TIMEOUT_S = 300  # the polling Lambda's (stacks.config.IS_COMPLETE_TIMEOUT_S, tested equal)
+IS_COMPLETE_TIMEOUT_S = (
+    300  # the polling Lambda's (decider_stacks.config.IS_COMPLETE_TIMEOUT_S, tested equal)
+)
 
 REGION = "us-east-1"
 SERVICE_TOKEN = f"arn:aws:lambda:{REGION}:123456789012:function:ImageStack-Provider"
@@ -252,8 +254,8 @@ def test_a_hanging_canary_ends_every_bake_load_poll_within_its_lambda_and_gets_t
     """Every synthetic request hangs for the client's read timeout: each poll still returns within the
     polling Lambda, and every calendar minute still gets LoadPerMinute requests (the rollback alarms
     count a minute below their invocation floor as 0 %: a hanging canary must not starve them)."""
-    from stacks.config import load_config
-    from stacks.synth import cdk_json_context
+    from decider_stacks.config import load_config
+    from decider_stacks.synth import cdk_json_context
 
     reports: list[bake_load.LoadReport] = []
     send_load = bake_load.send_load
@@ -285,9 +287,9 @@ def test_a_hanging_canary_ends_every_bake_load_poll_within_its_lambda_and_gets_t
 def test_promote_and_the_handlers_build_sagemaker_runtime_with_one_factory(clock):
     """70 s read timeout ("the SDK socket timeout should be set to be 70 seconds", InvokeEndpoint) and
     bounded standard-mode attempts for both; a call's worst case fits the polling Lambda with parking."""
-    from stacks import config
-    from stacks.handlers import runtime_client
-    from tools.promote.clients import make_clients
+    from decider_cli.promote.clients import make_clients
+    from decider_stacks import config
+    from decider_stacks.handlers import runtime_client
 
     assert config.IS_COMPLETE_TIMEOUT_S == IS_COMPLETE_TIMEOUT_S
 

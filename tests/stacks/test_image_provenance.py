@@ -13,7 +13,7 @@ import pytest
 from botocore.stub import ANY
 from handler_helpers import stubbed_clients
 
-from stacks.handlers import build_jobs, codebuild_job, image_provenance
+from decider_stacks.handlers import build_jobs, codebuild_job, image_provenance
 
 ACCOUNT, REGION = "123456789012", "us-east-1"
 SERVICE_TOKEN = f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:ImageStack-Provider"

@@ -74,8 +74,8 @@ def test_nag_runs_in_the_app_and_fails_synth_on_a_violation(tmp_path):
     from aws_cdk import aws_s3 as s3
     from cdk_nag import HIPAASecurityChecks
 
-    from stacks.assembly import build_app
-    from stacks.synth import CLI_CONTEXT, cdk_json_context
+    from decider_stacks.assembly import build_app
+    from decider_stacks.synth import CLI_CONTEXT, cdk_json_context
 
     app = App(outdir=str(tmp_path), context={**cdk_json_context(), **CLI_CONTEXT})
     decider = build_app(app)
@@ -119,7 +119,7 @@ def test_cfn_lint_schemas_accept_the_capacity_properties_the_stacks_use():
     RetainAllVariantProperties; test_cfn_lint_reports_no_errors lints templates that use them."""
     from cfnlint.schema import PROVIDER_SCHEMA_MANAGER
 
-    from stacks.config import INFERENCE_AMI_VERSIONS
+    from decider_stacks.config import INFERENCE_AMI_VERSIONS
 
     config = PROVIDER_SCHEMA_MANAGER.get_resource_schema("us-east-1", "AWS::SageMaker::EndpointConfig").schema
     variant = config["definitions"]["ProductionVariant"]["properties"]

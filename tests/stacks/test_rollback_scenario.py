@@ -27,7 +27,7 @@ from moto import mock_aws
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "promote"))
 import moto_update_endpoint
 
-from stacks.handlers import codebuild_job, post_deploy_check
+from decider_stacks.handlers import codebuild_job, post_deploy_check
 
 REGION, ACCOUNT = "us-east-1", "123456789012"
 ENDPOINT, PREVIOUS, NEW = "decider-cpu", "DeciderConfigAAAA-previous", "DeciderConfigBBBB-new"

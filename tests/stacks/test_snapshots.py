@@ -35,7 +35,7 @@ def test_container_source_hash_ignores_caches(synth, tmp_path):
     from aws_cdk import App, Stack
     from aws_cdk import aws_s3_assets as s3_assets
 
-    from stacks.paths import CONTAINER_DIR, container_excludes
+    from decider_stacks.paths import CONTAINER_DIR, container_excludes
 
     cache = CONTAINER_DIR / "decider" / "__pycache__" / "zz_snapshot_probe.cpython-311.pyc"
     created_dir = not cache.parent.exists()
@@ -65,8 +65,8 @@ def test_container_change_rebuilds_only_the_image_and_copies_do_not(synth, tmp_p
     one changed byte → a new image tag, and nothing else in the endpoint stacks changes."""
     import shutil
 
-    from stacks import image_stack
-    from stacks.paths import ASSET_EXCLUDES, CONTAINER_DIR
+    from decider_stacks import image_stack
+    from decider_stacks.paths import ASSET_EXCLUDES, CONTAINER_DIR
 
     copy = tmp_path / "container"
     shutil.copytree(CONTAINER_DIR, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))

@@ -9,13 +9,13 @@ from collections import Counter
 import pytest
 import yaml
 from aws_cdk.assertions import Match, Template
-from decider.settings import Settings
 from stack_helpers import STACKS, only, resources
 
-from stacks import config as app_config
-from stacks.config import container_environment
-from stacks.handlers import build_jobs
-from stacks.image_stack import image_tag
+from decider.settings import Settings
+from decider_stacks import config as app_config
+from decider_stacks.config import container_environment
+from decider_stacks.handlers import build_jobs
+from decider_stacks.image_stack import image_tag
 
 pytestmark = pytest.mark.cdk
 
@@ -902,7 +902,7 @@ def test_data_capture_and_linear_routing_when_configured(synth_prebuilt):
 
 
 def test_preflight_checks_the_bootstrap_version_the_templates_require(synth):
-    from tools.preflight.checks import MIN_BOOTSTRAP_VERSION
+    from decider_cli.preflight.checks import MIN_BOOTSTRAP_VERSION
 
     manifest = json.loads((synth.outdir / "manifest.json").read_text())["artifacts"]
     for stack in STACKS:

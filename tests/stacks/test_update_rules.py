@@ -24,8 +24,8 @@ import pytest
 from stack_helpers import run_synth
 from update_walk import ENVIRONMENT_KEYS, changed_context, config_keys, update_violations
 
-from stacks.config import load_config
-from stacks.synth import cdk_json_context
+from decider_stacks.config import load_config
+from decider_stacks.synth import cdk_json_context
 
 pytestmark = pytest.mark.cdk
 

@@ -2,7 +2,7 @@
 
 Used by test_update_rules.py: the app is synthesized once per changed key (CPU and GPU keys share a
 synth: their stacks are independent) and each endpoint stack is compared with the baseline the way
-CloudFormation will update it (tools.infra_diff: replacements from the resource schemas, propagated
+CloudFormation will update it (decider_cli.infra_diff: replacements from the resource schemas, propagated
 through references).
 """
 
@@ -17,9 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from stacks.config import AppConfig, ConfigError, VariantConfig, load_config
-from stacks.synth import cdk_json_context
-from tools.infra_diff.diff import diff_templates, update_refusals
+from decider_cli.infra_diff.diff import diff_templates, update_refusals
+from decider_stacks.config import AppConfig, ConfigError, VariantConfig, load_config
+from decider_stacks.synth import cdk_json_context
 
 ECR_IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/decider@sha256:" + "b" * 64
 # Values for keys whose type alone does not suggest a valid other value (variant-specific where needed).

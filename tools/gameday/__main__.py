@@ -1,5 +1,0 @@
-import sys
-
-from tools.gameday.cli import main
-
-sys.exit(main())
