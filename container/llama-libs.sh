@@ -1,6 +1,6 @@
 #!/bin/sh
 # Lay out the llama.cpp libraries of a llama-cpp-python built with GGML_BACKEND_DL=ON, as the
-# server loads them (decider/engine/ggml_backends.py). Used by the image build (Dockerfile) and by
+# server loads them (decider/engine/model/ggml_backends.py). Used by the image build (Dockerfile) and by
 # the GPU check (tools/dev/gpu/remote.sh), so that what is measured is laid out as what ships.
 #
 #   llama-libs.sh SITE_PACKAGES

@@ -41,14 +41,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from decider.engine.bundled import smollm2_path as locate
+    from decider.engine.model.bundled import smollm2_path as locate
 
     return locate()
 
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
-    from decider.engine.bundled import gemma3_path as locate
+    from decider.engine.model.bundled import gemma3_path as locate
 
     return locate()
 

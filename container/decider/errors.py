@@ -188,7 +188,7 @@ class StartupError(Exception):
 
 
 class LoadCrashedError(StartupError):
-    """The model's load killed the probe process (decider.engine.load_probe): the server does not
+    """The model's load killed the probe process (decider.engine.model.load_probe): the server does not
     try it in its own process, where the same crash would end it without a word."""
 
     exit_code = EXIT_LOAD_CRASHED

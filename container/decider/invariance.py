@@ -13,12 +13,12 @@ What it takes, all decided here:
 - The pad. A decode whose last micro-batch would hold one token gets one more token, in a sequence
   of its own (`pad_seq`, removed after the decode). The step budget leaves room for it, so a padded
   decode never exceeds n_batch (llama.cpp aborts the process on `n_tokens_all > n_batch`).
-- Memory epochs. Cells must stay in position order (decider.engine.steps): two graveyard sequences
+- Memory epochs. Cells must stay in position order (decider.engine.scheduling.steps): two graveyard sequences
   keep every decoded cell until no decision state is live.
 
 Not available on models with recurrent layers (Qwen3.5 and other hybrids): llama.cpp cuts their
 decodes into micro-batches of equal tokens per sequence, so a row can land alone whatever the pad
-does; the runtime refuses it there at load (decider.engine.native).
+does; the runtime refuses it there at load (decider.engine.model.native).
 
 Reserved sequences: HEAD_SEQ (0) always; with invariance the pad (n_seq_max - 1) and the graveyards
 (n_seq_max - 2, n_seq_max - 3).

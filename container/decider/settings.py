@@ -40,7 +40,7 @@ QuestionType = Literal["noul", "choice", "score"]
 
 @dataclass(frozen=True)
 class CacheBudget:
-    """What the engine's caches may hold (decider.engine.prefix_cache; `Settings.cache_budget`)."""
+    """What the engine's caches may hold (decider.engine.memory.prefix_cache; `Settings.cache_budget`)."""
 
     state_cells: int = 0
     state_seqs: int = 0
@@ -63,8 +63,8 @@ class CacheBudget:
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """The response_format bounds (decider.engine.schema_limits checks the size, llguidance's
-    `LLParserLimits` the rest: decider.engine.constraints); the defaults are the settings'."""
+    """The response_format bounds (decider.engine.structured.schema_limits checks the size, llguidance's
+    `LLParserLimits` the rest: decider.engine.structured.constraints); the defaults are the settings'."""
 
     schema_bytes: int = 65536
     compile_fuel: int = 200_000  # llguidance initial_lexer_fuel
@@ -159,11 +159,11 @@ class Settings(BaseSettings):
         None,
         ge=0,
         description="Cells that decision states and chat turns kept across requests may hold, together "
-        "(decider.engine.prefix_cache): a request whose prompt starts with a kept state, or a chat whose "
-        "prompt starts with an earlier turn of its conversation, copies it and decodes only what follows. "
-        "Kept entries are evicted, least recently used first, whenever running work needs their cells or "
-        "sequences, so they never make a request wait. 0 turns it off; it is off with batch_invariant "
-        "(memory epochs). Default: a quarter of n_ctx.",
+        "(decider.engine.memory.prefix_cache): a request whose prompt starts with a kept state, or a chat "
+        "whose prompt starts with an earlier turn of its conversation, copies it and decodes only what "
+        "follows. Kept entries are evicted, least recently used first, whenever running work needs their "
+        "cells or sequences, so they never make a request wait. 0 turns it off; it is off with "
+        "batch_invariant (memory epochs). Default: a quarter of n_ctx.",
     )
     state_cache_seqs: int = Field(
         8,
@@ -238,8 +238,8 @@ class Settings(BaseSettings):
         description="Prompt tokens one decision request may have tokenized and held while it is planned "
         "(each state once, each question once per option order), checked on a byte bound before "
         "tokenizing and counted while tokenizing; 422 request_too_large beyond "
-        "(decider.engine.request_size). Default: max_batch_states x n_ctx (524288 at the defaults: every "
-        "state of the largest batch filling the context), about 19 MB of token ids.",
+        "(decider.engine.works.request_size). Default: max_batch_states x n_ctx (524288 at the defaults: "
+        "every state of the largest batch filling the context), about 19 MB of token ids.",
     )
     max_chat_tokens: PositiveInt = Field(1024, description="Largest chat max_tokens accepted.")
     max_stop_chars: int = Field(
@@ -249,7 +249,8 @@ class Settings(BaseSettings):
         description="Characters per chat `stop` string (each is searched for after every token).",
     )
 
-    # --- chat response_format bounds (decider.engine.constraints; 422 response_format_too_complex) ---
+    # --- chat response_format bounds (decider.engine.structured.constraints;
+    # 422 response_format_too_complex) ---
     max_schema_bytes: int = Field(
         GrammarLimits.schema_bytes,
         ge=256,
@@ -327,8 +328,8 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     load_probe: bool = Field(
         True,
-        description="Load the model once in a child process first (decider.engine.load_probe): a native "
-        "crash at load becomes one log line with the signal and the settings, and exit status 3.",
+        description="Load the model once in a child process first (decider.engine.model.load_probe): a "
+        "native crash at load becomes one log line with the signal and the settings, and exit status 3.",
     )
     supervise: bool = Field(
         True,
@@ -418,7 +419,7 @@ class Settings(BaseSettings):
 
     @property
     def grammar_limits(self) -> GrammarLimits:
-        """The response_format bounds, as decider.engine.constraints takes them."""
+        """The response_format bounds, as decider.engine.structured.constraints takes them."""
         return GrammarLimits(
             schema_bytes=self.max_schema_bytes,
             compile_fuel=self.max_constraint_compile_fuel,

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     from decider.engine import DecisionEngine
-    from decider.engine.bundled import smollm2_path
+    from decider.engine.model.bundled import smollm2_path
     from decider.schemas.decision import parse_decision_request
     from decider.server.answers import decide
     from decider.settings import Settings

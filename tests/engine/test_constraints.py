@@ -1,4 +1,4 @@
-"""The response_format constraint (decider.engine.constraints, llguidance): a mask per step from a
+"""The response_format constraint (decider.engine.structured.constraints, llguidance): a mask per step from a
 schema, on a small made-up vocabulary and on SmolLM2's own (49,152 tokens, read from the GGUF).
 
 Every refusal is a typed ConstraintError, every failed step a ConstraintFailedError: nothing a
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from decider.engine import constraints, schema_rewrite
-from decider.engine.constraints import (
+from decider.engine.structured import constraints, schema_rewrite
+from decider.engine.structured.constraints import (
     INVALID,
     TOO_COMPLEX,
     ConstraintError,

@@ -12,11 +12,11 @@ import uuid
 import pytest
 from engine_helpers import EXAMPLE
 
-from decider.engine.bundled import SMOLLM2_SHA256
-from decider.engine.jobs import Job
-from decider.engine.labels import READOUT_CHAIN, READOUT_SINGLE, build_label_table
-from decider.engine.native import OutputSpec, Row
-from decider.engine.work import DecisionWork
+from decider.engine.model.bundled import SMOLLM2_SHA256
+from decider.engine.model.labels import READOUT_CHAIN, READOUT_SINGLE, build_label_table
+from decider.engine.model.native import OutputSpec, Row
+from decider.engine.scheduling.jobs import Job
+from decider.engine.works.work import DecisionWork
 from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.decision import DecisionResponse, parse_decision_request
 from decider.server.answers import decision_response

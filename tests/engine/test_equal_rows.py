@@ -4,13 +4,13 @@ row length (the model-level check: tests/engine/test_hybrid_model.py)."""
 
 from __future__ import annotations
 
-from decider.engine.steps import SeqPool, Step
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.scheduling.steps import Step
 
 
 def step(*, equal: bool = True, tokens: int = 2048) -> Step:
     return Step(
-        memory=None,
-        seqs=SeqPool(8, [0]),
+        seqs=SeqPool(None, 8, [0]),  # type: ignore[arg-type]
         tokens_left=tokens,
         cells_left=10_000,
         equal_rows=equal,

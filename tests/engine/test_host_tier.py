@@ -1,4 +1,4 @@
-"""The host-memory tier behind the kept states (decider.engine.host_cache, `StateCache._restore`).
+"""The host-memory tier behind the kept states (decider.engine.memory.host_cache, `StateCache._restore`).
 
 First the bookkeeping on fakes (what is saved when, the byte budget, the cells a restored entry
 holds with and without its own head, failed and refused restores, admission's peek), then on the
@@ -32,9 +32,10 @@ from test_state_cache import (
 )
 
 from decider.engine import DecisionEngine
-from decider.engine.native import Row
-from decider.engine.prefix_cache import CHAT, STATE, Caches, StateCache
-from decider.engine.steps import SeqPool, Step
+from decider.engine.memory.prefix_cache import CHAT, STATE, Caches, StateCache
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.model.native import Row
+from decider.engine.scheduling.steps import Step
 from decider.invariance import HEAD_SEQ
 from decider.schemas.decision import parse_decision_request
 from decider.server.metrics import ServerMetrics
@@ -53,7 +54,7 @@ def tiered(
 
 
 def step_of(cache: StateCache, pool: SeqPool, memory: FakeMemory, cells_left: int = 100) -> Step:
-    return Step(memory, pool, tokens_left=64, cells_left=cells_left, caches=Caches(cache, None))
+    return Step(pool, tokens_left=64, cells_left=cells_left, runtime=memory, caches=Caches(cache, None))
 
 
 def count(metrics: ServerMetrics, name: str, **labels: str) -> float:

@@ -27,9 +27,8 @@ import pytest
 from engine_helpers import EXAMPLE
 
 from decider.engine import DecisionEngine
-from decider.engine.chat import ChatWork
-from decider.engine.labels import READOUT_CHAIN, build_label_table
-from decider.engine.native import (
+from decider.engine.model.labels import READOUT_CHAIN, build_label_table
+from decider.engine.model.native import (
     ContextConfig,
     DecodeAbortedError,
     KvCacheFullError,
@@ -37,7 +36,8 @@ from decider.engine.native import (
     OutputSpec,
     Row,
 )
-from decider.engine.work import DecisionWork
+from decider.engine.works.chat import ChatWork
+from decider.engine.works.work import DecisionWork
 from decider.errors import StartupError, UnavailableError
 from decider.invariance import HEAD_SEQ, BatchPolicy
 from decider.schemas.decision import DecisionResponse, parse_batch_request, parse_decision_request

@@ -14,15 +14,15 @@ from datetime import UTC, datetime
 import llama_cpp
 import pytest
 
-from decider.engine.generation import chat_tokens
-from decider.engine.markers import CallerText, Marker, MarkerError, template_printed_tokens
-from decider.engine.prompt import (
+from decider.engine.model.markers import CallerText, Marker, MarkerError, template_printed_tokens
+from decider.engine.model.prompt import (
     DECISION_PROMPT_DATE,
     FALLBACK_TEMPLATES,
     ChatTemplate,
     PromptFrame,
     TemplateUnusableError,
 )
+from decider.engine.works.generation import chat_tokens
 
 CONTROL, USER_DEFINED = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL, llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
 SPECIAL = {

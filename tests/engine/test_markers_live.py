@@ -8,9 +8,9 @@ import pytest
 from test_markers_and_templates import CONVERSATION, MISTRAL
 
 from decider.engine import DecisionEngine
-from decider.engine.generation import chat_tokens
-from decider.engine.markers import CallerText
-from decider.engine.prompt import FALLBACK_TEMPLATES, ChatTemplate
+from decider.engine.model.markers import CallerText
+from decider.engine.model.prompt import FALLBACK_TEMPLATES, ChatTemplate
+from decider.engine.works.generation import chat_tokens
 from decider.settings import Settings
 
 pytestmark = pytest.mark.model

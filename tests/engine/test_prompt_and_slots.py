@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from decider.engine.labels import LabelError, build_label_table
-from decider.engine.prompt import (
+from decider.engine.model.labels import LabelError, build_label_table
+from decider.engine.model.prompt import (
     FALLBACK_TEMPLATES,
     PROMPT_FORMATS,
     PROMPT_V1,

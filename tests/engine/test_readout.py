@@ -5,8 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from decider.engine.decisions import Item, allowed_mass, common_prefix_length, label_scores
-from decider.engine.labels import (
+from decider.engine.model.labels import (
     READOUT_CHAIN,
     READOUT_SINGLE,
     Label,
@@ -15,8 +14,9 @@ from decider.engine.labels import (
     LabelTrie,
     check_prefix_free,
 )
-from decider.engine.native import RowOutput
-from decider.engine.readout import (
+from decider.engine.model.native import RowOutput
+from decider.engine.works.decisions import Item, allowed_mass, common_prefix_length, label_scores
+from decider.engine.works.readout import (
     align_to_options,
     allowed_token_mass,
     argmax,

@@ -1,4 +1,4 @@
-"""The prompt tokens a decision request may have planned (issue 23 §2, decider.engine.request_size), on
+"""The prompt tokens a decision request may have planned (issue 23 §2, decider.engine.works.request_size), on
 the real SmolLM2 tokenizer: refused before a tokenizer call where the bytes tell, counted while
 tokenizing where they cannot, and never in the way of a request JevBench or the demo sends."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from decider.engine.decisions import DecisionPlanner
+from decider.engine.works.decisions import DecisionPlanner
 from decider.errors import RequestError
 from decider.schemas.decision import parse_batch_request, parse_decision_request
 from decider.settings import Settings

@@ -1,4 +1,4 @@
-"""A caller's schema as llguidance is handed it (decider.engine.schema_rewrite): `$ref`s checked
+"""A caller's schema as llguidance is handed it (decider.engine.structured.schema_rewrite): `$ref`s checked
 against the schema itself, the dialect spelled as llguidance knows it, and, without `strict`, what
 llguidance refuses left out instead of the whole schema refused (issue 31 §1: coverage of
 real-world schemas). Compiled on the tiny vocabulary of test_constraints."""
@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 from test_constraints import FAKE
 
-from decider.engine import schema_rewrite
-from decider.engine.constraints import INVALID, ConstraintError, compile_constraint
+from decider.engine.structured import schema_rewrite
+from decider.engine.structured.constraints import INVALID, ConstraintError, compile_constraint
 
 
 def compiles(schema: dict[str, Any], *, strict: bool = False) -> bool:

@@ -1,4 +1,4 @@
-"""What the engine keeps across requests (decider.engine.prefix_cache): decision states as sequences,
+"""What the engine keeps across requests (decider.engine.memory.prefix_cache): decision states as sequences,
 exact repeats as raw label readouts.
 
 First the bookkeeping on fakes (hits, LRU eviction, pins, the sequence pool and the cell budget),
@@ -22,13 +22,15 @@ import llama_cpp
 import pytest
 from engine_helpers import EXAMPLE
 
-from decider.engine import DecisionEngine, constraints
-from decider.engine.generation import GenerationUsage
-from decider.engine.host_cache import HostCache
-from decider.engine.native import Row
-from decider.engine.prefix_cache import CHAT, MIN_PARTIAL_HIT, STATE, RepeatCache, StateCache
-from decider.engine.scheduler import NoMetrics
-from decider.engine.steps import SeqPool, Step, Unit
+from decider.engine import DecisionEngine
+from decider.engine.memory.host_cache import HostCache
+from decider.engine.memory.prefix_cache import CHAT, MIN_PARTIAL_HIT, STATE, RepeatCache, StateCache
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.model.native import Row
+from decider.engine.scheduling.scheduler import NoMetrics
+from decider.engine.scheduling.steps import Step, Unit
+from decider.engine.structured import constraints
+from decider.engine.works.generation import GenerationUsage
 from decider.invariance import HEAD_SEQ, TILED_MM_ENV
 from decider.schemas.decision import DecisionResponse, parse_decision_request
 from decider.server.answers import decision_response
@@ -81,11 +83,10 @@ def kept(
     metrics: Any = None,
 ) -> tuple[StateCache, SeqPool, FakeMemory]:
     memory = FakeMemory()
-    pool = SeqPool(seqs, reserved=[HEAD_SEQ])
+    pool = SeqPool(memory, seqs, reserved=[HEAD_SEQ])
     metrics = metrics or NoMetrics()
     host = HostCache(host_bytes, metrics=metrics) if host_bytes else None
     cache = StateCache(
-        memory,
         pool,
         head=10,
         max_cells=max_cells,
@@ -176,7 +177,7 @@ def test_a_unit_that_needs_their_cells_evicts_kept_states_first() -> None:
     cache.store([1] * 30, seq=HEAD_SEQ)
     cache.store([2] * 30, seq=HEAD_SEQ)
     caches = type("Caches", (), {"states": cache, "repeats": None})()
-    step = Step(memory, pool, tokens_left=64, cells_left=50, caches=caches)
+    step = Step(pool, tokens_left=64, cells_left=50, runtime=memory, caches=caches)
     assert step.try_start(Unit.STATE, 40, sequences=0)  # fits already: nothing evicted
     assert len(cache) == 2 and step.cells_left == 10
     assert step.try_start(Unit.STATE, 35, sequences=0)  # the oldest entry's 30 cells
@@ -223,7 +224,7 @@ def test_a_finished_turn_takes_the_place_of_the_turn_it_started_from() -> None:
     (entry,) = cache._entries.values()
     assert entry.seq == 2 and entry.tokens == (*first, 7, 7, 8) and ("rm", hit.entry.seq) in memory.ops
     assert cache.lookup([*first, 7, 7, 8, 9], boundary=None, kind=CHAT).length == 43
-    small = StateCache(memory, pool, head=10, max_cells=30, max_seqs=3, partial=True, metrics=NoMetrics())
+    small = StateCache(pool, head=10, max_cells=30, max_seqs=3, partial=True, metrics=NoMetrics())
     assert not small.adopt(list(range(40)), 4, prompt_tokens=40)  # over the budget: the chat keeps it
 
 

@@ -16,13 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from decider.engine.chat import ChatPlan, ChatWork
-from decider.engine.cost import span_attended
-from decider.engine.decisions import DecisionPlan, DecisionPlanner
-from decider.engine.labels import build_label_table
-from decider.engine.native import DecodeAbortedError, Row, RowOutput
-from decider.engine.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, ChatTemplate, PromptBuilder, PromptFrame
-from decider.engine.work import DecisionWork
+from decider.engine.model.labels import build_label_table
+from decider.engine.model.native import DecodeAbortedError, Row, RowOutput
+from decider.engine.model.prompt import (
+    FALLBACK_TEMPLATES,
+    PROMPT_FORMATS,
+    ChatTemplate,
+    PromptBuilder,
+    PromptFrame,
+)
+from decider.engine.scheduling.cost import span_attended
+from decider.engine.works.chat import ChatPlan, ChatWork
+from decider.engine.works.decisions import DecisionPlan, DecisionPlanner
+from decider.engine.works.work import DecisionWork
 from decider.errors import RequestError
 from decider.invariance import BatchPolicy
 from decider.settings import Settings

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from decider.engine.abort_flag import AbortFlag
+from decider.engine.model.abort_flag import AbortFlag
 
 
 def test_the_native_callback_reads_the_flag() -> None:

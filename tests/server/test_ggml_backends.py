@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from decider.engine.ggml_backends import (
+from decider.engine.model.ggml_backends import (
     CUDA_LIBRARY,
     Backends,
     Device,
@@ -33,7 +33,7 @@ PROBE = """
 import ctypes, json, sys
 from pathlib import Path
 import llama_cpp
-from decider.engine.ggml_backends import _ggml, llama_cpp_lib_dir
+from decider.engine.model.ggml_backends import _ggml, llama_cpp_lib_dir
 
 def address(lib):
     return ctypes.cast(lib.ggml_backend_reg_count, ctypes.c_void_p).value
@@ -101,7 +101,7 @@ def test_load_engine_refuses_gpu_layers_on_this_cpu_build(smollm2_path: Path) ->
 
 def _variants(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scores: dict[str, int], exits: dict[str, Any]):
     """Fake CPU variant files with ggml scores, and the probe's exit status for each (None: it times out)."""
-    from decider.engine import ggml_backends
+    from decider.engine.model import ggml_backends
 
     for name in scores:
         (tmp_path / f"libggml-cpu-{name}.so").write_bytes(b"")
@@ -188,7 +188,7 @@ def test_the_verdict_is_cached_for_this_host_libraries_and_model(tmp_path, monke
 
 
 def test_the_probe_child_times_out_as_a_timeout(tmp_path, monkeypatch):
-    from decider.engine import ggml_backends
+    from decider.engine.model import ggml_backends
 
     monkeypatch.setattr(ggml_backends.sys, "executable", "/bin/sleep")  # `sleep -m …` fails at once
     assert ggml_backends.probe_variant(tmp_path / "x.so", tmp_path / "m.gguf").outcome == "failed"

@@ -2,7 +2,7 @@
 
 A `response_format` schema with a large `maxLength` used to become a GBNF grammar nested as deep
 as its bound, and llama.cpp's parser overflowed its stack on it: SIGSEGV, every request lost. The
-constraint engine is now llguidance (decider.engine.constraints), which builds such bounds lazily
+constraint engine is now llguidance (decider.engine.structured.constraints), which builds such bounds lazily
 and bounds its own work: those requests are ordinary, the size limit is a 422 of its own naming
 the field, and hypothesis-generated schemas never take the live server down.
 """
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import assert_error_body
 
-from decider.engine.schema_limits import GrammarLimitError, check_schema
+from decider.engine.structured.schema_limits import GrammarLimitError, check_schema
 from decider.settings import GrammarLimits
 from decider_dev.local_server import LocalServer
 

@@ -20,8 +20,8 @@ from server_fakes import FakeEngine
 from server_helpers import assert_error_body
 from starlette.testclient import TestClient
 
-from decider.engine.decisions import DecisionOutcome
-from decider.engine.native import NativeError
+from decider.engine.model.native import NativeError
+from decider.engine.works.decisions import DecisionOutcome
 from decider.server import handlers
 from decider.server.app import create_app
 from decider.settings import Settings

@@ -18,7 +18,7 @@ import pytest
 from server_fakes import FakeEngine
 from server_helpers import assert_error_body, serve_in_thread
 
-from decider.engine.scheduler import ENGINE_NICENESS
+from decider.engine.scheduling.scheduler import ENGINE_NICENESS
 from decider.server.app import create_app
 from decider.server.intake import PARSE_NICENESS
 from decider.settings import Settings

@@ -209,7 +209,7 @@ def test_startup_failures_exit_non_zero_with_one_clear_line(tmp_path: Path, case
 # child, in native code, as a CUDA backend or a CPU kernel the host refuses would at load.
 CRASHING_PROBE = """
 import sys
-if "decider.engine.load_probe" in sys.orig_argv:
+if "decider.engine.model.load_probe" in sys.orig_argv:
     import faulthandler
     print("llama_model_loader: loaded meta data with 33 key-value pairs (stand-in)", flush=True)
     faulthandler._sigsegv()

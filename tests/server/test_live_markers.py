@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from decider.engine import DecisionEngine
-from decider.engine.generation import chat_tokens
-from decider.engine.markers import CallerText
-from decider.engine.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, PROMPT_V1, ChatTemplate
+from decider.engine.model.markers import CallerText
+from decider.engine.model.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, PROMPT_V1, ChatTemplate
+from decider.engine.works.generation import chat_tokens
 from decider.settings import Settings
 from decider_dev.local_server import LocalServer, run_local_server
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from server_fakes import FakeEngine, FakeRuntime, chars
 
-from decider.engine.chat import ChatPlan, ChatWork
-from decider.engine.jobs import Job
-from decider.engine.labels import build_label_table
-from decider.engine.native import KvCacheFullError, NativeError, Row
-from decider.engine.scheduler import Scheduler
+from decider.engine.model.labels import build_label_table
+from decider.engine.model.native import KvCacheFullError, NativeError, Row
+from decider.engine.scheduling.jobs import Job
+from decider.engine.scheduling.scheduler import Scheduler
+from decider.engine.works.chat import ChatPlan, ChatWork
 from decider.errors import (
     DeadlineExceededError,
     DeciderError,

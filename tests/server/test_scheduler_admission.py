@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from server_fakes import FakeEngine
 
-from decider.engine.admission import ChatLengths
-from decider.engine.chat import ChatPlan, ChatWork
-from decider.engine.cost import Cost, CostModel, span_attended
-from decider.engine.jobs import Job
-from decider.engine.scheduler import Scheduler
-from decider.engine.steps import SeqPool, Step
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.scheduling.admission import ChatLengths
+from decider.engine.scheduling.cost import Cost, CostModel, span_attended
+from decider.engine.scheduling.jobs import Job
+from decider.engine.scheduling.scheduler import Scheduler
+from decider.engine.scheduling.steps import Step
+from decider.engine.works.chat import ChatPlan, ChatWork
 from decider.errors import DeciderError, OverloadedError, RequestExceedsDeadlineError, UnavailableError
 from decider.schemas.decision import parse_decision_request
 from decider.server.answers import decision_response
@@ -424,8 +425,8 @@ def test_one_work_s_exception_fails_that_work_alone(where: str) -> None:
 
 
 def test_a_chat_does_not_take_the_sequences_a_started_prefix_needs_for_its_branches() -> None:
-    seqs = SeqPool(5, (0,))  # four free
-    step = Step(memory=_NoMemory(), seqs=seqs, tokens_left=100, cells_left=10_000)
+    seqs = SeqPool(_NoMemory(), 5, (0,))  # four free
+    step = Step(seqs=seqs, tokens_left=100, cells_left=10_000)
     step.branch_reserve = 4  # two prefixes wait to open a two-letter-label branch each: nothing spare
     chat = ChatWork(ChatPlan(prompt=[1, 2, 3], max_tokens=4))
     chat.plan_step(step)

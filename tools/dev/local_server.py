@@ -50,7 +50,7 @@ def serve_command() -> list[str]:
 
 
 def default_model_path() -> str:
-    from decider.engine.bundled import smollm2_path
+    from decider.engine.model.bundled import smollm2_path
 
     return str(smollm2_path())
 

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from decider.engine.engine import DecisionEngine, ModelInfo
-    from decider.engine.generation import GenerationEvent, GenerationUsage
+    from decider.engine.works.generation import GenerationEvent, GenerationUsage
 
 __all__ = ["DecisionEngine", "GenerationEvent", "GenerationUsage", "ModelInfo"]
 _HOMES = {
     "DecisionEngine": "decider.engine.engine",
     "ModelInfo": "decider.engine.engine",
-    "GenerationEvent": "decider.engine.generation",
-    "GenerationUsage": "decider.engine.generation",
+    "GenerationEvent": "decider.engine.works.generation",
+    "GenerationUsage": "decider.engine.works.generation",
 }
 
 

@@ -5,8 +5,8 @@ engine reads the logits there (and, for labels of several tokens, at one more po
 prefix), keeps only the labels' scores, divides by the temperature and normalizes: nothing is
 generated. Planning (`plan_decision`, `plan_batch`, `chat_plan`) tokenizes and checks every
 limit; the resulting work (`decision_work`, `chat_work`) runs on the scheduler's engine thread,
-batched with everything else that is running (see `decider.engine.scheduler`). Chats are planned
-and built by one module, `decider.engine.chat` (`engine.chat`).
+batched with everything else that is running (see `decider.engine.scheduling.scheduler`). Chats are planned
+and built by one module, `decider.engine.works.chat` (`engine.chat`).
 
 `decide(request)` runs one request in-process on a private scheduler (tests, benchmarks) and returns
 its `DecisionOutcome`: the engine never builds wire responses (decider.server.answers does).
@@ -24,22 +24,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from decider.engine import generation
-from decider.engine.chat import ChatPlan, ChatPlanner, ChatWork
-from decider.engine.decisions import (
-    BatchDecisionRequest,
-    DecisionOutcome,
-    DecisionPlan,
-    DecisionPlanner,
-    DecisionRequest,
+from decider.engine.model.labels import LabelError, LabelTable, build_label_table
+from decider.engine.model.markers import CallerText, MarkerError
+from decider.engine.model.modelfile import (
+    display_name,
+    quantization_from_name,
+    resolve_model_file,
+    verify_sha256,
 )
-from decider.engine.generation import GenerationEvent
-from decider.engine.jobs import Job
-from decider.engine.labels import LabelError, LabelTable, build_label_table
-from decider.engine.markers import CallerText, MarkerError
-from decider.engine.modelfile import display_name, quantization_from_name, resolve_model_file, verify_sha256
-from decider.engine.native import ContextConfig, InvarianceUnsupportedError, LlamaRuntime, NativeError
-from decider.engine.prompt import (
+from decider.engine.model.native import ContextConfig, InvarianceUnsupportedError, LlamaRuntime, NativeError
+from decider.engine.model.prompt import (
     FALLBACK_TEMPLATES,
     PROMPT_FORMATS,
     ChatTemplate,
@@ -47,8 +41,19 @@ from decider.engine.prompt import (
     PromptFrame,
     TemplateUnusableError,
 )
-from decider.engine.scheduler import Scheduler
-from decider.engine.work import DecisionWork
+from decider.engine.scheduling.jobs import Job
+from decider.engine.scheduling.scheduler import Scheduler
+from decider.engine.works import generation
+from decider.engine.works.chat import ChatPlan, ChatPlanner, ChatWork
+from decider.engine.works.decisions import (
+    BatchDecisionRequest,
+    DecisionOutcome,
+    DecisionPlan,
+    DecisionPlanner,
+    DecisionRequest,
+)
+from decider.engine.works.generation import GenerationEvent
+from decider.engine.works.work import DecisionWork
 from decider.errors import StartupError
 from decider.memory_budget import size_host_tier
 from decider.settings import CacheBudget, Settings
@@ -75,7 +80,9 @@ class ModelInfo(BaseModel):
     prompt_version: str
     max_options: int
     slot_labels: tuple[str, ...]  # the single-token labels (questions with up to this many options)
-    markers: dict[str, list[str]]  # token texts caller text never becomes, by source (engine/markers.py)
+    markers: dict[
+        str, list[str]
+    ]  # token texts caller text never becomes, by source (engine/model/markers.py)
 
 
 def context_config(settings: Settings, *, count_passes: bool = False) -> ContextConfig:

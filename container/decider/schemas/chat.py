@@ -2,7 +2,7 @@
 
 The request model accepts what the `openai` SDK sends, `logprobs` / `top_logprobs` and
 `response_format` (`text`, `json_object`, `json_schema`: constrained with llguidance, see
-`decider.engine.constraints`) included. Parameters that would change the meaning of the answer and
+`decider.engine.structured.constraints`) included. Parameters that would change the meaning of the answer and
 that we cannot honour (`n > 1`, tools, other response formats, non-text content parts) are refused
 with a clear `unsupported_parameter` error naming the field instead of being silently ignored;
 purely informational fields (`user`, `metadata`, `store`, …) are ignored.

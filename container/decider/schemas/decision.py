@@ -21,7 +21,7 @@ QUESTION_TYPES: tuple[str, ...] = get_args(QuestionType)
 JSONContent = str | dict[str, Any] | list[Any]
 
 # Frozen texts (part of every prompt version: changing one changes every prompt hash). The default
-# texts of noul's two options belong to the prompt version (decider.engine.prompt.PROMPT_FORMATS).
+# texts of noul's two options belong to the prompt version (decider.engine.model.prompt.PROMPT_FORMATS).
 DEFAULT_INSTRUCTIONS: dict[str, str] = {
     "noul": "Decide which of the two options is true.",
     "choice": "Choose the option that best applies.",

@@ -344,7 +344,7 @@ class OpenAIDecision:
             "model": internal.model,
             "usage": {
                 "input_tokens": tokens,
-                # Read from kept states and exact repeats (decider.engine.prefix_cache); what a
+                # Read from kept states and exact repeats (decider.engine.memory.prefix_cache); what a
                 # request leaves in the cache is not counted as written.
                 "input_tokens_details": {
                     "cached_tokens": internal.usage.cached_tokens,

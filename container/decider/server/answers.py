@@ -1,6 +1,6 @@
 """Decision answers as wire responses, made from the engine's readouts off the engine thread.
 
-The engine hands back a `DecisionOutcome` (decider.engine.decisions): the plan with every prompt's
+The engine hands back a `DecisionOutcome` (decider.engine.works.decisions): the plan with every prompt's
 readouts, and what the answer needs besides. Here, on the handler's worker thread, the readouts
 become probabilities (the option orders averaged, the question type's temperature) and the Jev/SemIf
 response of decider.schemas.decision; `/v1/decisions` translates that on to OpenAI's shape.
@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from decider.engine.decisions import (
+from decider.engine.model.labels import READOUT_CHAIN
+from decider.engine.works.decisions import (
     DecisionOutcome,
     Item,
     Question,
@@ -21,8 +22,13 @@ from decider.engine.decisions import (
     allowed_mass,
     option_scores,
 )
-from decider.engine.labels import READOUT_CHAIN
-from decider.engine.readout import CONFIDENCE_FORMULA, argmax, normalized_peak, score_expectation, softmax
+from decider.engine.works.readout import (
+    CONFIDENCE_FORMULA,
+    argmax,
+    normalized_peak,
+    score_expectation,
+    softmax,
+)
 from decider.schemas.decision import (
     Answer,
     BatchDecisionRequest,

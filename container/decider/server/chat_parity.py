@@ -1,5 +1,5 @@
 """What a chat request asks beyond text (issue 18), onto its plan: the constraint of its
-`response_format` and its `logprobs` / `top_logprobs` (decider.engine.constraints, chat_options).
+`response_format` and its `logprobs` / `top_logprobs` (decider.engine.structured.constraints, chat_options).
 
 Runs in the handler's planning step (a worker thread): the schema is checked, compiled against the
 model's vocabulary and its first mask computed there, all before the request's deadline, so a
@@ -15,8 +15,9 @@ import dataclasses
 import time
 from typing import Any
 
-from decider.engine import chat_options, constraints
-from decider.engine.chat import ChatPlan
+from decider.engine.structured import constraints
+from decider.engine.works import chat_options
+from decider.engine.works.chat import ChatPlan
 from decider.errors import DeadlineExceededError, RequestError
 from decider.schemas.chat import ChatCompletionRequest
 from decider.settings import GrammarLimits

@@ -18,9 +18,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from decider.engine.chat import ChatPlan
-from decider.engine.generation import GenerationEvent
-from decider.engine.jobs import ClientGoneError, Job, deadline_error
+from decider.engine.scheduling.jobs import ClientGoneError, Job, deadline_error
+from decider.engine.works.chat import ChatPlan
+from decider.engine.works.generation import GenerationEvent
 from decider.errors import DeciderError, RequestError, internal_error
 from decider.schemas.cache_salt import cache_space
 from decider.schemas.chat import (

@@ -14,7 +14,7 @@ So:
 - Batch Transform's JSON Lines take the same places: the payload while it is read, then each record
   from its parse to the end of its planning (they wait for a place instead of being refused);
 - parsing and planning run on this module's own threads, at `PARSE_NICENESS` below the HTTP loop
-  and below the engine thread (`decider.engine.scheduler.ENGINE_NICENESS`): the model's work gets
+  and below the engine thread (`decider.engine.scheduling.scheduler.ENGINE_NICENESS`): the model's work gets
   the cores first, and the event loop (`/ping`) before either.
 """
 

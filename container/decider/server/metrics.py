@@ -101,7 +101,7 @@ class ServerMetrics:
             buckets=(1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096),
             registry=r,
         )
-        # What the engine keeps across requests (decider.engine.prefix_cache): cache = state | chat
+        # What the engine keeps across requests (decider.engine.memory.prefix_cache): cache = state | chat
         # (kept sequences: decision states, chat turns) | repeat.
         self.cache_lookups = Counter(
             "decider_cache_lookups",
@@ -126,7 +126,8 @@ class ServerMetrics:
             ["cache"],
             registry=r,
         )
-        # The host-memory tier behind the kept sequences (decider.engine.host_cache): cache = state | chat.
+        # The host-memory tier behind the kept sequences (decider.engine.memory.host_cache):
+        # cache = state | chat.
         self.cache_host_saves = Counter(
             "decider_cache_host_saves",
             "Kept states and chat turns saved to host memory as they were evicted from the context.",

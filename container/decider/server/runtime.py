@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from decider.engine.loop import Backend
-from decider.engine.scheduler import Scheduler
+from decider.engine.scheduling.loop import Backend
+from decider.engine.scheduling.scheduler import Scheduler
 from decider.errors import EXIT_STARTUP_FAILED, StartupError, UnavailableError, model_loading, shutting_down
 from decider.server.intake import Intake
 from decider.server.metrics import ServerMetrics
@@ -58,9 +58,9 @@ def load_engine(settings: Settings) -> Engine:
     """The production loader: register llama.cpp backends (a GPU one when GPU layers are
     requested), then load and verify the GGUF."""
     from decider.engine import DecisionEngine
-    from decider.engine.ggml_backends import ensure_backends, loaded_backend_paths, require_gpu
-    from decider.engine.load_probe import check_load
-    from decider.engine.modelfile import resolve_model_file, verify_sha256
+    from decider.engine.model.ggml_backends import ensure_backends, loaded_backend_paths, require_gpu
+    from decider.engine.model.load_probe import check_load
+    from decider.engine.model.modelfile import resolve_model_file, verify_sha256
 
     model = resolve_model_file(settings)
     verify_sha256(model, settings)  # before a CPU probe parses it (the digest is cached for the load)

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from decider.engine.readout import CONFIDENCE_FORMULA, normalized_peak
+from decider.engine.works.readout import CONFIDENCE_FORMULA, normalized_peak
 from decider_cli.evaluate.cases import QUESTION_TYPES
 from decider_cli.evaluate.results import ResultRow, RunMeta
 from decider_cli.evaluate.summary import fmt

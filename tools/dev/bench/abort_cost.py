@@ -3,7 +3,7 @@
     python -m decider_dev.bench.abort_cost [--tokens 256] [--repeats 5] [--threads 2]
 
 Times the same prefill decode of the bundled SmolLM2 three ways: no abort check at all, the
-native flag the engine uses (decider.engine.abort_flag), and a Python callback after every graph
+native flag the engine uses (decider.engine.model.abort_flag), and a Python callback after every graph
 node (what the engine did before), each alone and while a second thread parses a 4 MB JSON body
 in a loop. Prints the medians and each way's slowdown against no check.
 """
@@ -20,8 +20,8 @@ from contextlib import contextmanager
 
 import llama_cpp
 
-from decider.engine.bundled import smollm2_path
-from decider.engine.native import ContextConfig, LlamaRuntime, Row
+from decider.engine.model.bundled import smollm2_path
+from decider.engine.model.native import ContextConfig, LlamaRuntime, Row
 from decider.invariance import BatchPolicy
 
 

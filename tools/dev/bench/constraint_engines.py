@@ -100,7 +100,7 @@ def dump(path: str) -> None:
     """SmolLM2's pieces (llama_token_to_piece, special text included), control ids and end ids."""
     import llama_cpp
 
-    from decider.engine.bundled import smollm2_path
+    from decider.engine.model.bundled import smollm2_path
 
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()

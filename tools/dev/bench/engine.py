@@ -51,11 +51,11 @@ from rich.console import Console
 from rich.table import Table
 
 from decider.engine import DecisionEngine
-from decider.engine.bundled import smollm2_path
-from decider.engine.decisions import DecisionPlanner
-from decider.engine.modelfile import resolve_model_file
-from decider.engine.native import ContextConfig, LlamaRuntime, Row
-from decider.engine.prompt import PROMPT_V1, PROMPT_V2, SYSTEM_PROMPT
+from decider.engine.model.bundled import smollm2_path
+from decider.engine.model.modelfile import resolve_model_file
+from decider.engine.model.native import ContextConfig, LlamaRuntime, Row
+from decider.engine.model.prompt import PROMPT_V1, PROMPT_V2, SYSTEM_PROMPT
+from decider.engine.works.decisions import DecisionPlanner
 from decider.invariance import DEFAULT_UBATCH, BatchPolicy
 from decider.schemas.decision import DecisionRequest, parse_decision_request
 from decider.server.answers import decide

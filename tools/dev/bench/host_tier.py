@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from decider.engine.bundled import smollm2_path
 from decider.engine.engine import DecisionEngine
-from decider.engine.native import LlamaRuntime, OutputSpec, Row
+from decider.engine.model.bundled import smollm2_path
+from decider.engine.model.native import LlamaRuntime, OutputSpec, Row
 from decider.settings import Settings
 from decider_dev.bench.common import NO_CACHES
 from decider_dev.bench.server import BENCH_DIR, hybrid_model
@@ -66,7 +66,7 @@ def measure(path: Path, n_tokens: int, threads: int | None, *, invariant: bool =
         prefill_s = time.perf_counter() - started
 
         started = time.perf_counter()
-        saved = runtime.seq_save(1)  # what an eviction runs (decider.engine.prefix_cache)
+        saved = runtime.seq_save(1)  # what an eviction runs (decider.engine.memory.prefix_cache)
         save_s = time.perf_counter() - started
 
         first = next_logits(runtime, 1, tokens)

@@ -17,9 +17,9 @@ import argparse
 import statistics
 import time
 
-from decider.engine.bundled import smollm2_path
 from decider.engine.engine import DecisionEngine
-from decider.engine.native import LlamaRuntime, Row
+from decider.engine.model.bundled import smollm2_path
+from decider.engine.model.native import LlamaRuntime, Row
 from decider.settings import Settings
 from decider_dev.bench.common import NO_CACHES, key_values
 

@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=200)
 
     from decider.engine import DecisionEngine
-    from decider.engine.bundled import smollm2_path
+    from decider.engine.model.bundled import smollm2_path
     from decider.settings import Settings
 
     cases = load_cases(args.cases)
@@ -778,7 +778,7 @@ def traffic_main(args: Any, which: str = "traffic") -> int:
     """The repeat and hybrid levels (see the module docstring; `which`: 'repeat' or 'hybrid' alone,
     'traffic' both); 1 if a request failed."""
     from decider.engine import DecisionEngine
-    from decider.engine.bundled import smollm2_path
+    from decider.engine.model.bundled import smollm2_path
     from decider.settings import Settings
 
     console = Console(width=200)
@@ -852,7 +852,7 @@ class HostLevel:
 
 def host_main(args: Any) -> int:
     """The host level alone (`--levels host`, see the module docstring); 1 if a request failed."""
-    from decider.engine.bundled import smollm2_path
+    from decider.engine.model.bundled import smollm2_path
     from decider.settings import Settings
 
     console = Console(width=200)
@@ -1170,7 +1170,7 @@ def measure_multi_turn_levels(
 
 def multi_turn_main(args: Any) -> int:
     """The multi-turn level alone (`--levels multi_turn`); 1 if a turn failed."""
-    from decider.engine.bundled import smollm2_path
+    from decider.engine.model.bundled import smollm2_path
 
     console = Console(width=200)
     result = measure_multi_turn_levels(

@@ -125,8 +125,8 @@ class TextRun:
 
 def text_questions(engine: Any, bodies: list[dict[str, Any]]) -> list[TextQuestion]:
     """Every question of every body, with the system prompt and the exact payload of our prompt."""
-    from decider.engine.decisions import DecisionPlanner
-    from decider.engine.prompt import SYSTEM_PROMPT
+    from decider.engine.model.prompt import SYSTEM_PROMPT
+    from decider.engine.works.decisions import DecisionPlanner
     from decider.schemas.decision import parse_decision_request
 
     planner = engine.planner

@@ -96,8 +96,8 @@ DIAGNOSES: tuple[tuple[str, dict[str, str], bool], ...] = (
 
 
 def step_probe(model: Path, env: dict[str, str], out: Path, deadline: float) -> int:
-    from decider.engine.ggml_backends import ensure_backends, loaded_backend_paths
-    from decider.engine.load_probe import run_probe
+    from decider.engine.model.ggml_backends import ensure_backends, loaded_backend_paths
+    from decider.engine.model.load_probe import run_probe
     from decider.settings import Settings
 
     with environment(env):
@@ -146,7 +146,7 @@ def backtrace(model: Path, env: dict[str, str], paths: tuple[Path, ...], out: Pa
     debugger = shutil.which("cuda-gdb") or shutil.which("gdb")
     if debugger is None or deadline - time.monotonic() < 60:
         return
-    from decider.engine.load_probe import probe_command
+    from decider.engine.model.load_probe import probe_command
     from decider.settings import Settings
 
     with environment(env):
@@ -321,7 +321,7 @@ def concurrent(base: str, cases: list[dict[str, Any]], deadline: float) -> None:
 def load_engine(model: Path, env: dict[str, str], **fields: Any) -> Any:
     """A DecisionEngine with GpuStack's settings (no caches: every run below must compute)."""
     from decider.engine import DecisionEngine
-    from decider.engine.ggml_backends import ensure_backends, require_gpu
+    from decider.engine.model.ggml_backends import ensure_backends, require_gpu
     from decider.settings import Settings
 
     with environment({**env, "DECIDER_STATE_CACHE_SEQS": "0", "DECIDER_REPEAT_CACHE_ENTRIES": "0"}):
@@ -372,7 +372,7 @@ def step_answers(model: Path, env: dict[str, str], out: Path, deadline: float, d
 
     extra: dict[str, str] = {}
     if device == "cpu":
-        from decider.engine.ggml_backends import llama_cpp_lib_dir
+        from decider.engine.model.ggml_backends import llama_cpp_lib_dir
 
         only_cpu = out / "cpu-backend"
         only_cpu.mkdir(exist_ok=True)

@@ -332,7 +332,7 @@ def _pip_freeze() -> str:
 
 
 def _bundled_model() -> Path:
-    from decider.engine.bundled import smollm2_path
+    from decider.engine.model.bundled import smollm2_path
 
     return smollm2_path()
 

@@ -528,7 +528,7 @@ def guarded(report: Report, name: str, step: Callable[[], None]) -> None:
 
 
 def run_contract(image: str, *, live_tests: bool, console: Console) -> int:
-    from decider.engine.bundled import SMOLLM2_FILE, SMOLLM2_SHA256, smollm2_path
+    from decider.engine.model.bundled import SMOLLM2_FILE, SMOLLM2_SHA256, smollm2_path
 
     report = Report(console)
     try:

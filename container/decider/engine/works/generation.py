@@ -1,6 +1,6 @@
 """Chat generation pieces: prompt tokens from the template, the sampler chain, stop strings.
 
-The generation loop itself is `decider.engine.chat.ChatWork`, one token per scheduler step. Text
+The generation loop itself is `decider.engine.works.chat.ChatWork`, one token per scheduler step. Text
 deltas are produced with an incremental UTF-8 decoder (a character may be split over tokens) and
 held back while they could still be the start of a stop string, so a stop string that spans
 tokens is found and never emitted.
@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import llama_cpp
 
-from decider.engine.native import LlamaRuntime
-from decider.engine.prompt import ChatTemplate, TemplateUnusableError
+from decider.engine.model.native import LlamaRuntime
+from decider.engine.model.prompt import ChatTemplate, TemplateUnusableError
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -139,7 +139,8 @@ class StopFilter:
 
 def make_sampler(temperature: float, top_p: float, seed: int | None) -> Any:
     """A llama.cpp sampler chain: greedy at temperature 0, else top-p, temperature, seeded draw.
-    A response_format's mask (decider.engine.constraints) is applied to the logits before it runs."""
+    A response_format's mask (decider.engine.structured.constraints) is applied to the logits before
+    it runs."""
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     if temperature <= 0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())

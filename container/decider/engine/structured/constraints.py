@@ -22,7 +22,7 @@ without a bound and kept unbounded parse stacks; see docs/structured-output.md).
   `invalid_response_format` naming it. The first mask is computed while planning, so a schema
   whose first step already fails is refused before admission; a later step that fails (its
   fuel spent, or no token allowed) ends that chat with `ConstraintFailedError`, a typed error.
-- **The schema as handed over** is decider.engine.schema_rewrite's: `$ref`s checked against the
+- **The schema as handed over** is decider.engine.structured.schema_rewrite's: `$ref`s checked against the
   schema (the server fetches nothing), and, without `json_schema.strict`, what llguidance refuses
   left out and the schema compiled again (at most MAX_REPAIRS times, each under the deadline).
 - **Whitespace** between JSON tokens is what the GBNF path allowed (a schema: one optional space;
@@ -46,8 +46,8 @@ import llama_cpp
 import llguidance
 import numpy as np
 
-from decider.engine import schema_rewrite
-from decider.engine.schema_limits import GrammarLimitError, SchemaCheckError, check_schema
+from decider.engine.structured import schema_rewrite
+from decider.engine.structured.schema_limits import GrammarLimitError, SchemaCheckError, check_schema
 from decider.settings import GrammarLimits
 
 Path = tuple[str | int, ...]

@@ -12,7 +12,8 @@ lines (llama.cpp's load log and the native traceback), and exits with its own st
 cause is in CloudWatch. A child that fails with an ordinary error proves nothing about crashes:
 the server's own load then reports that error in its own words.
 
-    python -m decider.engine.load_probe --model M.gguf --config '{"n_ctx": 8192, ...}' [--backend lib.so ...]
+    python -m decider.engine.model.load_probe --model M.gguf --config '{"n_ctx": 8192, ...}' \
+        [--backend lib.so ...]
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def _child(model: Path, values: dict[str, Any], backends: Sequence[Path]) -> Non
     import llama_cpp._logger as llama_logger
 
     from decider.engine.engine import context_config
-    from decider.engine.ggml_backends import load_backend_files
-    from decider.engine.native import LlamaRuntime, OutputSpec, Row
+    from decider.engine.model.ggml_backends import load_backend_files
+    from decider.engine.model.native import LlamaRuntime, OutputSpec, Row
 
     llama_logger.set_verbose(True)  # llama.cpp's own load log, to stderr (the parent keeps its tail)
     load_backend_files(backends)

@@ -1,106 +1,21 @@
-"""One decode step being assembled, and the sequences and memory cells it may use.
+"""One decode step being assembled, and the rules for what may start in it.
 
 The scheduler builds a `Step` for every `llama_decode` and lets each running `Work` add rows to it.
 A row is appended tokens for one sequence; its `on_done` callback runs on the engine thread right
-after the decode that carried it, while its logits are still in the context.
-
-Memory epochs (batch-invariant mode). llama.cpp's CPU attention visits a query's cells in cell
-order, so a token's result depends on where its context's cells lie, and llama.cpp puts new tokens
-into the lowest free cells, including holes that removed sequences left below a live prefix. To
-keep every sequence's cells in position order, nothing is freed while decision states are live:
-the cells of every row are also owned by two graveyard sequences (`SeqPool.keep`), so removing a
-sequence frees no cell, and memory only grows. When no decision state is live, the graveyards are
-dropped (`SeqPool.compact`) and the dead cells are freed at once. Two owners, not one: a
-sliding-window cache reuses a cell owned by a single sequence once that sequence has moved past its
-window. (A state too large for one epoch runs alone and frees each question's cells when it is
-read: its rows are not kept.)
+after the decode that carried it, while its logits are still in the context. The sequences
+themselves, and every operation on their cells, are the pool's (decider.engine.memory.sequences).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
-from decider.engine.native import Row
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.model.native import Row
 from decider.invariance import MIN_WORK_SEQS
-
-
-class Memory(Protocol):
-    """The memory operations works need (LlamaRuntime, or a fake in tests)."""
-
-    def seq_copy(self, src: int, dst: int) -> None: ...
-
-    def seq_remove(self, seq_id: int) -> None: ...
-
-
-class Reclaimer(Protocol):
-    """Something that holds sequences nobody needs right now and gives them back on demand (the
-    state cache: decider.engine.prefix_cache)."""
-
-    @property
-    def spare_seqs(self) -> int: ...
-
-    def evict_one(self) -> int | None: ...
-
-
-class SeqPool:
-    """Sequence ids of the one context: reserved ones (head, pad, graveyards) and a free list.
-
-    With a `reclaimer`, the sequences it could give back count as available, and `acquire` takes
-    one from it when the free list is empty: a cache never makes running work wait."""
-
-    def __init__(self, n_seq_max: int, reserved: Iterable[int], graveyards: tuple[int, ...] = ()) -> None:
-        self.graveyards = graveyards
-        self.reserved = frozenset(reserved) | frozenset(graveyards)
-        self._all = [seq for seq in range(n_seq_max - 1, -1, -1) if seq not in self.reserved]
-        self._free = list(self._all)
-        self.reclaimer: Reclaimer | None = None
-
-    @property
-    def free(self) -> int:
-        """Sequences nobody holds, the cache's left out."""
-        return len(self._free)
-
-    @property
-    def available(self) -> int:
-        spare = self.reclaimer.spare_seqs if self.reclaimer is not None else 0
-        return len(self._free) + spare
-
-    def take_free(self) -> int | None:
-        """A sequence from the free list only (what the cache itself takes: it never evicts for it)."""
-        return self._free.pop() if self._free else None
-
-    @property
-    def epochs(self) -> bool:
-        return bool(self.graveyards)
-
-    def acquire(self) -> int | None:
-        if not self._free and self.reclaimer is not None:
-            self.reclaimer.evict_one()  # gives its sequence back through `release`
-        return self._free.pop() if self._free else None
-
-    def release(self, memory: Memory, seq: int) -> None:
-        """Remove a sequence whole. Its kept cells stay, owned by the graveyards, until `compact`."""
-        memory.seq_remove(seq)
-        self._free.append(seq)
-
-    def keep(self, memory: Memory, seq: int) -> None:
-        """Give the graveyards a share in every cell of `seq` (new cells after a decode)."""
-        for graveyard in self.graveyards:
-            memory.seq_copy(seq, graveyard)
-
-    def compact(self, memory: Memory, live: Iterable[int]) -> None:
-        """Free every dead cell; the cells of the `live` sequences stay kept."""
-        for graveyard in self.graveyards:
-            memory.seq_remove(graveyard)
-        for seq in live:
-            self.keep(memory, seq)
-
-    def reset(self) -> None:
-        """Every sequence is free again (after the memory was cleared)."""
-        self._free = list(self._all)
 
 
 @dataclass(eq=False)
@@ -129,10 +44,10 @@ class Step:
     are this class's alone: works ask, and never read the scheduler's state.
     """
 
-    memory: Memory
     seqs: SeqPool
     tokens_left: int
     cells_left: int
+    runtime: Any = None  # what a row's reader samples from after the decode (a chat's logits)
     running: Sequence[Any] = ()  # every work the scheduler runs, the asking one included
     # Sequences the started prefixes still need to open their next branch (each: one, or two for
     # an item whose labels span several tokens: its branch and their label positions; set by the
@@ -152,7 +67,7 @@ class Step:
     # Set when a unit could not start for want of cells or sequences (not the gate, not the start
     # rule): the scheduler closes the first-come gate behind it, so it is not starved.
     refused_for_memory: bool = False
-    caches: Any = None  # the scheduler's kept states and repeats (decider.engine.prefix_cache.Caches)
+    caches: Any = None  # the scheduler's kept states and repeats (decider.engine.memory.prefix_cache.Caches)
     # Recurrent and hybrid models: llama.cpp cuts a decode into micro-batches of equal tokens per
     # sequence (split_equal), about one per distinct row length, so the rows of a step share one
     # length (`take`). `row_tokens` is that length once a row of several tokens has set it.
@@ -185,7 +100,7 @@ class Step:
     def has_sequences(self, sequences: int) -> bool:
         """`sequences` free beyond what the started prefixes still need (`branch_reserve`). The one
         reserve rule: a chat needs one; a state its prefix and its first branch, plus one for label
-        positions when any of its items has labels of several tokens (decider.engine.work)."""
+        positions when any of its items has labels of several tokens (decider.engine.works.work)."""
         return self.seqs.available >= self.branch_reserve + sequences
 
     def try_start(self, unit: Unit, cells: int, *, sequences: int) -> bool:
@@ -218,7 +133,7 @@ class Step:
 
     def lend_cells(self, cells: int, *, then: int) -> bool:
         """Reserve `cells` for a kept state the cache restores from host memory for a unit about to
-        start (decider.engine.prefix_cache), only where the unit could start after it: the gate is
+        start (decider.engine.memory.prefix_cache), only where the unit could start after it: the gate is
         open, `then` more cells stay free beside them (kept states are evicted for both first), and
         a sequence stays for the unit once the restored entry holds one. So a restore never makes
         that unit wait, nor any other; refused, the unit starts as on a miss."""
@@ -247,13 +162,8 @@ class Step:
     def _reclaim_cells(self, cells: int) -> None:
         """Evict kept states (least recently used, unpinned) until `cells` are free, or none is left."""
         states = self.caches.states if self.caches is not None else None
-        if states is None or self.cells_left >= cells or self.cells_left + states.spare_cells < cells:
-            return  # nothing to evict, or evicting everything would not be enough
-        while self.cells_left < cells:
-            freed = states.evict_one()
-            if freed is None:
-                return
-            self.cells_left += freed
+        if states is not None and self.cells_left < cells:
+            self.cells_left += states.reclaim(cells - self.cells_left)
 
     def take(self, remaining: int, *, alone: bool = False) -> int:
         """How many of a row's `remaining` tokens it decodes in this step (0: none, it waits a step).

@@ -1,6 +1,6 @@
 """What a chat's `response_format` JSON schema is checked for before the constraint engine sees it.
 
-The constraint engine (llguidance, decider.engine.constraints) bounds its own work: compile-time
+The constraint engine (llguidance, decider.engine.structured.constraints) bounds its own work: compile-time
 and per-token fuel, lexer states, grammar size, and it reports what it cannot do instead of
 crashing. It does not bound what it is handed, and it reads JSON text strictly. So only two checks
 are left here, each cheaper than what it protects:

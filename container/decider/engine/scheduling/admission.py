@@ -1,12 +1,12 @@
 """How long admitted work takes on the batched engine: the estimates admission decides on.
 
-The engine runs every admitted work in the same decode steps (decider.engine.loop), so the
+The engine runs every admitted work in the same decode steps (decider.engine.scheduling.loop), so the
 work ahead of a request does not run before it: it runs beside it. What a request waits for is
 the steps that run until it is done, each carrying its own rows and its neighbours'. `finish_cost`
 says what those steps are: a window of S steps, S the steps the request needs itself (more when the
 tokens in the window exceed what a step carries), and each piece of work ahead contributing the
 share of its tokens that it decodes in S of its steps (all of them when it needs fewer). The cost
-model (decider.engine.cost) turns that into seconds.
+model (decider.engine.scheduling.cost) turns that into seconds.
 
 A chat is counted at the length chats have been generating (`ChatLengths`), never more than its
 `max_tokens`: a generation usually stops long before it, and a chat that runs longer than the
@@ -29,12 +29,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from decider.engine.cost import Cost, CostModel
-from decider.engine.jobs import Job
+from decider.engine.scheduling.cost import Cost, CostModel
+from decider.engine.scheduling.jobs import Job
 from decider.errors import OverloadedError, RequestExceedsDeadlineError, UnavailableError
 
 if TYPE_CHECKING:
-    from decider.engine.jobs import Running
+    from decider.engine.scheduling.jobs import Running
 
 CHAT_LENGTH_WINDOW = 64  # finished chats whose generated lengths the estimate remembers
 MIN_CHAT_LENGTHS = 3  # below this many, a chat counts at its max_tokens

@@ -12,7 +12,7 @@ options). Two versions exist, selected by `DECIDER_PROMPT_VERSION` and reported 
 The template is rendered once, with sentinel strings in place of the two message texts, and split
 at the sentinels into fixed template pieces. Template pieces are tokenized with special-token
 parsing on (they hold `<|im_start|>` and friends); the system text and the caller's text with
-`CallerText.tokenize` (`engine/markers.py`: parsing off and no marker token), so a `<|im_end|>` or
+`CallerText.tokenize` (`engine/model/markers.py`: parsing off and no marker token), so a `<|im_end|>` or
 a `</think>` inside a state stays plain text.
 
 Per request the state segment is serialized and tokenized once, and each question's tail on its

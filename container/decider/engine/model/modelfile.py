@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from decider.engine.bundled import SMOLLM2_FILE, SMOLLM2_SHA256, file_sha256
+from decider.engine.model.bundled import SMOLLM2_FILE, SMOLLM2_SHA256, file_sha256
 from decider.errors import StartupError
 from decider.settings import Settings
 

@@ -22,7 +22,7 @@ import string
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from decider.engine.prompt import PromptBuilder
+from decider.engine.model.prompt import PromptBuilder
 
 MAX_OPTIONS = 255  # Jev's documented ceiling for choice options
 PROBE_STATE = "Probe evidence."

@@ -31,7 +31,7 @@ from typing import Any, Literal, Protocol
 
 import llama_cpp
 
-from decider.engine.prompt import ChatTemplate, TemplateUnusableError
+from decider.engine.model.prompt import ChatTemplate, TemplateUnusableError
 
 MarkerSource = Literal["control", "template", "setting"]
 MARKER_SOURCES: tuple[MarkerSource, ...] = ("control", "template", "setting")
@@ -40,7 +40,7 @@ _PROBE_PATTERN = re.compile("\x00DECIDER-PROBE-\\d+-7f3a\x00")
 
 
 class Vocabulary(Protocol):
-    """What marker classification needs of `decider.engine.native.LlamaRuntime`."""
+    """What marker classification needs of `decider.engine.model.native.LlamaRuntime`."""
 
     n_vocab: int
 

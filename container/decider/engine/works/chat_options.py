@@ -1,6 +1,6 @@
 """Chat parity with llama-server (issue 18): `logprobs` / `top_logprobs`, beside the generation loop
-(`decider.engine.chat.ChatWork` calls `token_logprobs`). Constrained output (`response_format`) is
-decider.engine.constraints.
+(`decider.engine.works.chat.ChatWork` calls `token_logprobs`). Constrained output (`response_format`) is
+decider.engine.structured.constraints.
 
 - **Logprobs.** The log-softmax of the model's raw logits at each generated token (temperature 1,
   before top-p and the response_format mask), as OpenAI reports them: the chosen token's and the

@@ -1,5 +1,5 @@
 """Units of engine work as state machines over decode steps: the protocol, and a decision request
-(a chat completion is `decider.engine.chat.ChatWork`).
+(a chat completion is `decider.engine.works.chat.ChatWork`).
 
 A work never calls `llama_decode` itself. Each step, the scheduler asks it for rows (`plan_step`)
 within the step's token, sequence and memory-cell budgets; after the decode, each row's `on_done`
@@ -21,12 +21,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from decider.engine.cost import Cost
-from decider.engine.decisions import DecisionOutcome, DecisionPlan, DecisionPlanner, Item, Prefix, StatePlan
-from decider.engine.labels import READOUT_CHAIN
-from decider.engine.native import OutputSpec, Row
-from decider.engine.prefix_cache import CachedState, Caches, prompt_digest, repeat_key
-from decider.engine.steps import Memory, SeqPool, Step, Unit
+from decider.engine.memory.prefix_cache import CachedState, Caches, prompt_digest, repeat_key
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.model.labels import READOUT_CHAIN
+from decider.engine.model.native import OutputSpec, Row
+from decider.engine.scheduling.cost import Cost
+from decider.engine.scheduling.steps import Step, Unit
+from decider.engine.works.decisions import (
+    DecisionOutcome,
+    DecisionPlan,
+    DecisionPlanner,
+    Item,
+    Prefix,
+    StatePlan,
+)
 from decider.invariance import HEAD_SEQ
 
 
@@ -93,7 +101,7 @@ class Work(Protocol):
 
     def outcome(self) -> Any: ...
 
-    def abandon(self, memory: Memory, seqs: SeqPool) -> None: ...
+    def abandon(self, seqs: SeqPool) -> None: ...
 
 
 # --- decisions ----------------------------------------------------------------------------------
@@ -139,7 +147,7 @@ class _StateRun:
     opened: int = 0  # cells of the items taken from `pending` and not closed yet
     branches: list[_Branch] = field(default_factory=list)  # read, with children still to start
     filling: list[_Fill] = field(default_factory=list)  # opened, prompt not fully decoded yet
-    # Kept across requests (decider.engine.prefix_cache): the canonical boundary in the prefix
+    # Kept across requests (decider.engine.memory.prefix_cache): the canonical boundary in the prefix
     # (None: no state is kept for it), the kept state it started from, how many prefix tokens that
     # covered, and the tail tokens of items answered from exact repeats.
     boundary: int | None = None
@@ -208,14 +216,21 @@ class DecisionWork:
         self._caches: Caches | None = None  # the scheduler's, seen at the first step
 
     def _acquire(self, step: Step) -> int:
+        """An empty sequence (callers check step.seqs.available first)."""
         seq = step.seqs.acquire()
         assert seq is not None, "callers check step.seqs.available first"
         self._held.add(seq)
         return seq
 
+    def _fork(self, step: Step, src: int) -> int:
+        """A new sequence sharing `src`'s cells (callers check step.seqs.available first)."""
+        seq = step.seqs.fork(src)
+        self._held.add(seq)
+        return seq
+
     def _free(self, step: Step, seq: int) -> None:
         self._held.discard(seq)
-        step.seqs.release(step.memory, seq)
+        step.seqs.release(seq)
 
     @property
     def cost(self) -> Cost:
@@ -311,7 +326,7 @@ class DecisionWork:
     def costs_given(self, caches: Caches | None) -> tuple[Cost, Cost]:
         """What it costs beside what the caches hold now: each state's kept prefix and the items that
         are exact repeats decode nothing. Admission asks it on the event loop before the work is
-        submitted; both caches answer a peek (decider.engine.prefix_cache), so it is an estimate."""
+        submitted; both caches answer a peek (decider.engine.memory.prefix_cache), so it is an estimate."""
         if caches is None or self.plan.mode != "shared":
             return self.cost, self.least_cost
         cached: list[int] = []
@@ -368,15 +383,15 @@ class DecisionWork:
             return False
         state.started = True
         if shared:
-            seq = self._acquire(step)
             if hit is not None and kept is not None:
-                kept.take(hit, seq)  # copies (and pins once more): drop the reservation's pin
+                seq = self._acquire(step)
+                kept.take(hit, seq)  # shares the hit's cells and pins once more: drop the reservation's pin
                 hit.entry.pins -= 1
                 state.entry = hit.entry
                 state.cached = state.prefilled = cached
                 state.prefix_cells -= cached
             else:
-                step.memory.seq_copy(HEAD_SEQ, seq)
+                seq = self._fork(step, HEAD_SEQ)
                 if kept is not None:
                     kept.missed()
             state.seq = seq
@@ -419,9 +434,8 @@ class DecisionWork:
         room = self._room(state, step)
         while state.pending and room > 0 and self._fits(step, state):
             item = state.pending.popleft()
-            seq = self._acquire(step)
             assert state.seq is not None
-            step.memory.seq_copy(state.seq, seq)
+            seq = self._fork(step, state.seq)
             self._open_branch(step, state, _Fill(item, seq, item.tokens, base))
             room = self._room(state, step) if not step.equal_rows else room - len(item.tokens)
         if step.equal_rows:
@@ -522,8 +536,7 @@ class DecisionWork:
         for branch in list(state.branches):
             while branch.children and step.seqs.available and step.tokens_left:
                 child = branch.children.popleft()
-                seq = self._acquire(step)
-                step.memory.seq_copy(branch.seq, seq)
+                seq = self._fork(step, branch.seq)
                 row = Row(seq, [child[-1]], branch.end, self._spec(branch.item, child))
                 grown = _Branch(branch.item, child, seq, branch.end + 1, deque())
                 step.add(
@@ -576,10 +589,10 @@ class DecisionWork:
             argmax=extensions and not prefix,
         )
 
-    def abandon(self, memory: Memory, seqs: SeqPool) -> None:
+    def abandon(self, seqs: SeqPool) -> None:
         """Release every sequence (the request was cancelled or failed), planned rows' included."""
         for seq in sorted(self._held):
-            seqs.release(memory, seq)
+            seqs.release(seq)
         self._held.clear()
         for state in self.states:
             self._unpin(state)

@@ -19,7 +19,7 @@ checked in two places:
   one text more than the limit is held, and one text is itself bounded before it is tokenized: its
   prompt must fit the context (`DecisionPlanner`'s byte check of each question).
 
-`DecisionPlanner` (decider.engine.decisions) owns the request limits and applies these; every
+`DecisionPlanner` (decider.engine.works.decisions) owns the request limits and applies these; every
 route that plans decisions goes through it.
 """
 

@@ -26,15 +26,23 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from decider.engine.admission import Admission
-from decider.engine.cost import Cost, span_attended
-from decider.engine.epochs import MemoryEpochs
-from decider.engine.host_cache import HostCache
-from decider.engine.jobs import ClientGoneError, Job, Running, deadline_error, resolve, shutting_down
-from decider.engine.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
-from decider.engine.prefix_cache import Caches, RepeatCache, StateCache
-from decider.engine.steps import PlannedRow, SeqPool, Step
-from decider.engine.work import Work
+from decider.engine.memory.epochs import MemoryEpochs
+from decider.engine.memory.host_cache import HostCache
+from decider.engine.memory.prefix_cache import Caches, RepeatCache, StateCache
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.model.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
+from decider.engine.scheduling.admission import Admission
+from decider.engine.scheduling.cost import Cost, span_attended
+from decider.engine.scheduling.jobs import (
+    ClientGoneError,
+    Job,
+    Running,
+    deadline_error,
+    resolve,
+    shutting_down,
+)
+from decider.engine.scheduling.steps import PlannedRow, Step
+from decider.engine.works.work import Work
 from decider.errors import DeciderError, RequestError, UnavailableError, internal_error
 from decider.invariance import HEAD_SEQ, BatchPolicy
 from decider.settings import CacheBudget
@@ -94,12 +102,11 @@ class EngineLoop:
     def attach(self, backend: Backend, head_tokens: list[int], budget: CacheBudget, namespace: str) -> None:
         """Batch on a loaded model: its sequences, its caches, its prompt head (see `Scheduler.attach`)."""
         policy = backend.policy
-        self.seqs = SeqPool(backend.n_seq_max, policy.reserved_seqs, graveyards=policy.graveyards)
+        self.seqs = SeqPool(backend, backend.n_seq_max, policy.reserved_seqs, graveyards=policy.graveyards)
         self._head = list(head_tokens)
         states = None
         if budget.states and not policy.epochs:
             states = StateCache(
-                backend,  # type: ignore[arg-type]
                 self.seqs,
                 head=len(self._head),
                 max_cells=budget.state_cells,
@@ -125,7 +132,7 @@ class EngineLoop:
         try:
             if not self._head_ready:
                 self.decode_head(backend)
-            self.epochs.maybe_compact(backend, self.seqs, self.works)
+            self.epochs.maybe_compact(self.seqs, self.works)
             step = self._plan(backend)
             if step.rows:
                 self._stalled_since = None
@@ -150,7 +157,7 @@ class EngineLoop:
         for start in range(0, len(self._head), size):
             backend.decode([Row(HEAD_SEQ, self._head[start : start + size], start)])
         if self._head:
-            self.seqs.keep(backend, HEAD_SEQ)
+            self.seqs.keep(HEAD_SEQ)
         self._head_ready = True
 
     # --- planning --------------------------------------------------------------------------------
@@ -164,9 +171,8 @@ class EngineLoop:
     def _evict_states_for(self, cells: int, backend: Backend) -> None:
         """Evict unpinned kept states until `cells` are free beyond what waiting work claims."""
         states = self.caches.states
-        while states is not None and self._free_cells(backend) - self._cells_claimed < cells:
-            if states.evict_one() is None:
-                return
+        if states is not None:
+            states.reclaim(cells - (self._free_cells(backend) - self._cells_claimed), whole=False)
 
     def _make_room_for_chats(self, backend: Backend) -> None:
         """Every generating chat takes one cell in each step, and leaves free the cells that the
@@ -188,7 +194,7 @@ class EngineLoop:
         for running in reversed(chats):  # admission order: the youngest last
             if need <= free:
                 break
-            running.work.stop_for_cells(backend, self.seqs)  # type: ignore[attr-defined]
+            running.work.stop_for_cells(self.seqs)  # type: ignore[attr-defined]
             log.info(
                 "request %s: no memory cell for its next token; stopped (length)", running.job.request_id
             )
@@ -203,10 +209,10 @@ class EngineLoop:
             self.equal_rows if self.equal_rows is not None else bool(getattr(backend, "recurrent", False))
         )
         step = Step(
-            backend,
             self.seqs,
             policy.step_tokens,
             self._free_cells(backend),
+            runtime=backend,
             running=[r.work for r in self.works],
             growth_floor=self._cells_claimed,
             caches=self.caches,
@@ -310,7 +316,7 @@ class EngineLoop:
         assert seqs is not None
         if seqs.epochs:  # before any on_done can remove a sequence
             for seq in {planned.row.seq_id for planned in rows if planned.keep}:
-                seqs.keep(backend, seq)
+                seqs.keep(seq)
         for planned in rows:
             running = self._running_of(planned.work)
             if running is None:  # failed earlier in this step
@@ -422,7 +428,7 @@ class EngineLoop:
         """Free what the work holds and fail its future with `error` (the work stays listed)."""
         if self.backend is not None and self.seqs is not None:
             try:
-                running.work.abandon(self.backend, self.seqs)
+                running.work.abandon(self.seqs)
             except NativeError:
                 log.exception("releasing request %s's sequences failed", running.job.request_id)
         resolve(running.future, error=error)

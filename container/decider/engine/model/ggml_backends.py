@@ -347,7 +347,7 @@ def _probe(variant: Path, model: Path) -> None:
     llm.eval(llm.tokenize(b"A probe of the CPU kernels on this host. " * 8)[:96])
 
 
-if __name__ == "__main__":  # `python -m decider.engine.ggml_backends`: what this host offers
+if __name__ == "__main__":  # `python -m decider.engine.model.ggml_backends`: what this host offers
     parser = argparse.ArgumentParser(description="llama.cpp's backends on this host")
     parser.add_argument("--probe", type=Path, help="a CPU variant to try (internal: probe_variant)")
     parser.add_argument("--model", type=Path, help="the GGUF to decode with it")

@@ -1,4 +1,4 @@
-"""A caller's JSON schema as llguidance is handed it (decider.engine.constraints compiles it).
+"""A caller's JSON schema as llguidance is handed it (decider.engine.structured.constraints compiles it).
 
 Two kinds of rewrite, each keeping what the output must satisfy or narrowing it, except where
 best effort is asked for (no `json_schema.strict`, BEST_EFFORT in constraints):

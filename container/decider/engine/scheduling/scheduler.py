@@ -2,12 +2,12 @@
 
 The engine is not thread-safe, so ONE engine thread owns the llama context (the model load
 included). The scheduler puts three pieces together under one lock:
-- admission (decider.engine.admission): on the event loop, a request is admitted or refused at once
+- admission (decider.engine.scheduling.admission): on the event loop, a request is admitted or refused at once
   on estimates of the work running beside it;
-- the engine loop (decider.engine.loop): on the engine thread, one decode step at a time from every
+- the engine loop (decider.engine.scheduling.loop): on the engine thread, one decode step at a time from every
   running work, deadlines, cancellation and failures;
-- memory epochs (decider.engine.epochs), batch-invariant mode only: when dead cells are freed.
-Requests are submitted as `Job`s (decider.engine.jobs) whose futures the engine thread settles.
+- memory epochs (decider.engine.memory.epochs), batch-invariant mode only: when dead cells are freed.
+Requests are submitted as `Job`s (decider.engine.scheduling.jobs) whose futures the engine thread settles.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from decider.engine.admission import Admission
-from decider.engine.cost import Cost
-from decider.engine.epochs import MemoryEpochs
-from decider.engine.jobs import Job, Running, deadline_error, resolve, shutting_down
-from decider.engine.loop import Backend, EngineLoop
-from decider.engine.native import NativeError
-from decider.engine.work import Work
+from decider.engine.memory.epochs import MemoryEpochs
+from decider.engine.model.native import NativeError
+from decider.engine.scheduling.admission import Admission
+from decider.engine.scheduling.cost import Cost
+from decider.engine.scheduling.jobs import Job, Running, deadline_error, resolve, shutting_down
+from decider.engine.scheduling.loop import Backend, EngineLoop
+from decider.engine.works.work import Work
 from decider.errors import UnavailableError
 from decider.settings import CacheBudget
 

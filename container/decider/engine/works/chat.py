@@ -2,10 +2,10 @@
 
 Handlers ask `ChatPlanner` (the engine's `chat`) for a plan (`plan`, on a worker thread: the
 template, the tokens, the limits) and then for its work (`work`); nothing else builds a `ChatWork`.
-The work runs on the scheduler's engine thread like any other (decider.engine.work.Work): it
+The work runs on the scheduler's engine thread like any other (decider.engine.works.work.Work): it
 prefills its prompt in its own sequence, then decodes one token per step.
 
-Turns kept across requests (decider.engine.prefix_cache, kind `chat`). The next turn of a
+Turns kept across requests (decider.engine.memory.prefix_cache, kind `chat`). The next turn of a
 conversation renders the earlier messages again, then the answer and a new question, so its
 prompt starts with what the previous turn decoded:
 - on attention-only models (partial hits allowed) a chat that ends by itself hands its sequence,
@@ -34,11 +34,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decider.engine import chat_options, generation
-from decider.engine.admission import ChatLengths
-from decider.engine.constraints import Constraint, ConstraintFailedError
-from decider.engine.cost import Cost, span_attended
-from decider.engine.generation import (
+from decider.engine.memory.prefix_cache import CHAT, MIN_PARTIAL_HIT, CachedState, Caches, StateCache
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.model.native import OutputSpec, Row
+from decider.engine.model.prompt import ChatTemplate, TemplateUnusableError
+from decider.engine.scheduling.admission import ChatLengths
+from decider.engine.scheduling.cost import Cost, span_attended
+from decider.engine.scheduling.steps import Step, Unit
+from decider.engine.structured.constraints import Constraint, ConstraintFailedError
+from decider.engine.works import chat_options, generation
+from decider.engine.works.generation import (
     FinishReason,
     GenerationEvent,
     GenerationUsage,
@@ -46,11 +51,7 @@ from decider.engine.generation import (
     free_sampler,
     make_sampler,
 )
-from decider.engine.native import OutputSpec, Row
-from decider.engine.prefix_cache import CHAT, MIN_PARTIAL_HIT, CachedState, Caches, StateCache
-from decider.engine.prompt import ChatTemplate, TemplateUnusableError
-from decider.engine.steps import Memory, SeqPool, Step, Unit
-from decider.engine.work import Footprint
+from decider.engine.works.work import Footprint
 from decider.errors import RequestError
 
 
@@ -62,7 +63,7 @@ class ChatPlan:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    # the response_format's constraint (decider.engine.constraints), compiled while planning: the
+    # the response_format's constraint (decider.engine.structured.constraints), compiled while planning: the
     # request's own (one work per plan), it holds the parse state as tokens are generated
     constraint: Constraint | None = None
     top_logprobs: int | None = None  # None: no logprobs; else logprobs with this many alternatives
@@ -197,7 +198,11 @@ class ChatPlanner:
         return ChatWork(plan, emit)
 
 
-class Sampling(Memory, Protocol):
+class Sampling(Protocol):
+    """What a chat reads after its row's decode (the step's runtime: LlamaRuntime, or a fake)."""
+
+    def logits_at(self, batch_index: int) -> Any: ...
+
     def sample(self, sampler: Any, batch_index: int) -> int: ...
 
     def piece(self, token: int, *, special: bool = False) -> bytes: ...
@@ -240,7 +245,7 @@ class ChatWork:
         self._held_logprobs: list[tuple[int, chat_options.TokenLogprob]] = []
         self._decoded_chars = 0
         self._emitted_chars = 0
-        # Kept across requests (decider.engine.prefix_cache): the caches (seen at the first step),
+        # Kept across requests (decider.engine.memory.prefix_cache): the caches (seen at the first step),
         # the kept turn it copied (pinned while it runs), the prompt tokens that covered, the
         # generated tokens its sequence holds (decoded), whether it kept a turn of its own, and
         # what admission expected to find kept.
@@ -422,10 +427,10 @@ class ChatWork:
 
     def _sampled(self, step: Step, done: Row) -> None:
         assert done.result is not None
-        runtime: Sampling = step.memory  # type: ignore[assignment]
+        runtime: Sampling = step.runtime
         constraint, raw = self.plan.constraint, None
         if constraint is not None:  # only the allowed tokens keep their logits (in llama.cpp's buffer)
-            logits = runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
+            logits = runtime.logits_at(done.result.batch_index)
             if self.plan.top_logprobs is not None:
                 raw = logits.copy()  # logprobs are the model's own, before the mask
             try:
@@ -434,7 +439,7 @@ class ChatWork:
                 raise _constraint_failed(exc) from None
         token = runtime.sample(self._sampler, done.result.batch_index)
         if runtime.is_eog(token):
-            self._end(step.memory, step.seqs, "stop")
+            self._end(step.seqs, "stop")
             return
         if constraint is not None:
             try:
@@ -442,7 +447,7 @@ class ChatWork:
             except ConstraintFailedError as exc:
                 raise _constraint_failed(exc) from None
         if self.plan.top_logprobs is not None:  # released with the text event that carries this token
-            logits = raw if raw is not None else runtime.logits_at(done.result.batch_index)  # type: ignore[attr-defined]
+            logits = raw if raw is not None else runtime.logits_at(done.result.batch_index)
             entry = chat_options.token_logprobs(logits, token, self.plan.top_logprobs, runtime.piece)
             self._held_logprobs.append((self._decoded_chars, entry))
         self._produced += 1
@@ -452,9 +457,9 @@ class ChatWork:
         self._say(text)
         if stop_hit:
             self._held_logprobs.clear()  # their text was cut with the stop string
-            self._end(step.memory, step.seqs, "stop", flush=False)
+            self._end(step.seqs, "stop", flush=False)
         elif self._produced >= self.plan.max_tokens:
-            self._end(step.memory, step.seqs, "length")
+            self._end(step.seqs, "length")
         else:
             self._last = token
 
@@ -467,13 +472,13 @@ class ChatWork:
             if self._emit is not None:
                 self._emit(GenerationEvent(text=text))
 
-    def stop_for_cells(self, memory: Memory, seqs: SeqPool) -> None:
+    def stop_for_cells(self, seqs: SeqPool) -> None:
         """End now with finish_reason "length": the context has no cell left for its next token."""
         if self._finish is None:
             self._cut = True
-            self._end(memory, seqs, "length")
+            self._end(seqs, "length")
 
-    def _end(self, memory: Memory, seqs: SeqPool, reason: FinishReason, *, flush: bool = True) -> None:
+    def _end(self, seqs: SeqPool, reason: FinishReason, *, flush: bool = True) -> None:
         if flush:
             # Whatever was held back as a possible stop prefix (or an unfinished character) is text.
             text, stop_hit = self._stops.push(self._decoder.decode(b"", final=True))
@@ -484,7 +489,7 @@ class ChatWork:
         self._finish = reason
         if not self._cut:
             self._keep_turn()
-        self._release(memory, seqs)
+        self._release(seqs)
         if self._emit is not None:
             self._emit(GenerationEvent(finish_reason=reason, usage=self._usage()))
 
@@ -515,10 +520,10 @@ class ChatWork:
             kept.unpin(self._entry)
         self._entry = None
 
-    def _release(self, memory: Memory, seqs: SeqPool) -> None:
+    def _release(self, seqs: SeqPool) -> None:
         self._unpin()
         if self._seq is not None:
-            seqs.release(memory, self._seq)
+            seqs.release(self._seq)
             self._seq = None
             if seqs.epochs:
                 self._dead += self._decoded
@@ -526,9 +531,9 @@ class ChatWork:
             free_sampler(self._sampler)
             self._sampler = None
 
-    def abandon(self, memory: Memory, seqs: SeqPool) -> None:
+    def abandon(self, seqs: SeqPool) -> None:
         """Cancelled or failed: its sequence goes and the turn it copied is unpinned (still kept)."""
-        self._release(memory, seqs)
+        self._release(seqs)
         if self._finish is None:
             self._finish = "cancelled"
 

@@ -21,18 +21,18 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from decider.engine.cost import Cost, span_attended
-from decider.engine.labels import READOUT_CHAIN, Label, LabelTable, LabelTrie
-from decider.engine.native import RowOutput
-from decider.engine.prompt import PromptBuilder, StatePrompt
-from decider.engine.readout import (
+from decider.engine.model.labels import READOUT_CHAIN, Label, LabelTable, LabelTrie
+from decider.engine.model.native import RowOutput
+from decider.engine.model.prompt import PromptBuilder, StatePrompt
+from decider.engine.scheduling.cost import Cost, span_attended
+from decider.engine.works.readout import (
     align_to_options,
     allowed_token_mass,
     average_logits,
     logsumexp,
     option_orders,
 )
-from decider.engine.request_size import QuestionText, TextBytes, TokenBudget, too_large
+from decider.engine.works.request_size import QuestionText, TextBytes, TokenBudget, too_large
 from decider.errors import RequestError
 from decider.settings import QuestionType, Settings
 
@@ -133,7 +133,7 @@ class DecisionPlan:
     mode: Mode
     head_tokens: int
     batch: bool = False
-    planned_tokens: int = 0  # tokens planning tokenized and holds (decider.engine.request_size)
+    planned_tokens: int = 0  # tokens planning tokenized and holds (decider.engine.works.request_size)
     space: str = ""  # the request's cache space: kept states serve only their own (prefix_cache)
 
     @property
@@ -268,7 +268,7 @@ class DecisionPlanner:
         self, request: DecisionOptions, states: list[Any], mode: Mode, *, batch: bool
     ) -> tuple[list[StatePlan], int]:
         """Every limit a byte bound can tell first, for every state, before a tokenizer call; then
-        each state tokenized, the planned tokens counted as they come (decider.engine.request_size).
+        each state tokenized, the planned tokens counted as they come (decider.engine.works.request_size).
         Returns the states' plans and the tokens planned."""
         params = [f"states.{i}" for i in range(len(states))] if batch else ["state"]
         state_jsons = [json.dumps(state, ensure_ascii=False) for state in states]
@@ -363,7 +363,7 @@ class DecisionPlanner:
 
     def _check_request_bytes(self, text: TextBytes, *, state_param: str) -> None:
         """Refuse, before tokenizing, a request whose planned tokens are over the limit even at the
-        fewest tokens its bytes can make (decider.engine.request_size)."""
+        fewest tokens its bytes can make (decider.engine.works.request_size)."""
         states, questions = text.least_tokens(self.max_token_bytes)
         limit = self.settings.request_token_limit
         if states + questions > limit:
@@ -410,7 +410,7 @@ class DecisionPlanner:
                 tokens = self.builder.tail(prompt, question.instructions, options)
                 trie = LabelTrie.of(labels)
                 # What the work reserves for this question beside its state's prefix, at the least (a
-                # streaming state: the prefix and its largest question; decider.engine.work): the tail
+                # streaming state: the prefix and its largest question; decider.engine.works.work): the tail
                 # and every label position, and in fresh mode the head again (each branch decodes its
                 # whole prompt). Checked as each is tokenized, so a request that cannot run is refused
                 # here, before admission, not after it has waited for everything else to drain.

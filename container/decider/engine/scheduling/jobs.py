@@ -1,8 +1,8 @@
 """One admitted request as both threads see it: its deadline, its cancellation, how it ends.
 
-The event loop admits a `Job` (decider.engine.admission) and waits for its future; the engine thread
-runs its work as a `Running` (decider.engine.loop) and settles the future. The errors here are the
-ways a job ends without an answer.
+The event loop admits a `Job` (decider.engine.scheduling.admission) and waits for its future; the
+engine thread runs its work as a `Running` (decider.engine.scheduling.loop) and settles the future.
+The errors here are the ways a job ends without an answer.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from decider.engine.cost import Cost
+from decider.engine.scheduling.cost import Cost
 from decider.errors import DeadlineExceededError, UnavailableError, shutting_down  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:  # work.py imports admission.py, which builds jobs
-    from decider.engine.work import Work
+    from decider.engine.works.work import Work
 
 # A 504 after waiting at least this share of the deadline in the queue may succeed on a retry; one
 # whose work had the model nearly all along would only time out again.

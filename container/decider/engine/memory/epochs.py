@@ -1,6 +1,6 @@
 """Memory epochs (batch-invariant mode only): when dead cells are freed, when an epoch is full.
 
-With batch invariance, nothing is freed while a decision state is live (decider.engine.steps says
+With batch invariance, nothing is freed while a decision state is live (decider.engine.scheduling.steps says
 why): removed sequences leave dead cells behind, and memory only grows. This module counts those
 cells, ends the epoch when no decision state is live (every dead cell is freed at once), and says
 when the epoch is full (`epoch_cells`): its decisions finish, and no new one starts until it ends.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decider.engine.jobs import Running
-from decider.engine.steps import Memory, SeqPool
+from decider.engine.memory.sequences import SeqPool
+from decider.engine.scheduling.jobs import Running
 from decider.invariance import HEAD_SEQ
 
 
@@ -32,14 +32,14 @@ class MemoryEpochs:
         """A work leaves the engine: the cells it released stay dead until the epoch ends."""
         self._removed += running.work.footprint().dead - running.dead_at_epoch_start
 
-    def maybe_compact(self, memory: Memory, seqs: SeqPool, works: Sequence[Running]) -> None:
+    def maybe_compact(self, seqs: SeqPool, works: Sequence[Running]) -> None:
         """End the memory epoch when no decision state is live: free every dead cell at once."""
         if not seqs.epochs or not self.dead_cells(works):
             return
         if any(r.work.footprint().holds_epoch_cells for r in works):  # a started state keeps its cells
             return
         live = [HEAD_SEQ, *(seq for r in works for seq in r.work.footprint().seqs)]
-        seqs.compact(memory, live)
+        seqs.compact(live)
         self._removed = 0
         for running in works:
             running.dead_at_epoch_start = running.work.footprint().dead

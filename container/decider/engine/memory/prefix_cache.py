@@ -32,10 +32,10 @@ it generated, nothing copied), replacing the entry it continued; the next turn o
 takes the longest common prefix, as far as the template re-renders the answer as the tokens
 generated. On exact-only models a chat's entry is the conversation before the generation prompt
 (`ChatPlan.boundary`): the prefill stops there once and a copy is kept, and the next turn, which
-renders the same messages and then more, starts with it (decider.engine.chat). A kept turn serves
+renders the same messages and then more, starts with it (decider.engine.works.chat). A kept turn serves
 only a prompt that continues it (`best_hit`).
 
-Host memory (decider.engine.host_cache, llama-server's `--cache-ram`). An entry evicted for running
+Host memory (decider.engine.memory.host_cache, llama-server's `--cache-ram`). An entry evicted for running
 work or for the budget (`evict_one`) is first saved to host memory, every cell of its sequence as
 bytes, unless a copy is there already; a chat turn its conversation's next turn replaces (`drop`) is
 not, and its copy goes. A start that finds a saved entry covering more than every kept one restores
@@ -70,8 +70,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from decider.engine.host_cache import HostCache, SavedState
-from decider.invariance import HEAD_SEQ
+from decider.engine.memory.host_cache import HostCache, SavedState
+from decider.engine.memory.sequences import SeqPool
 
 MIN_PARTIAL_HIT = 16  # a shorter common prefix saves less than the copy and the bookkeeping cost
 STATE = "state"  # a decision state: its tokens follow the prompt head
@@ -80,37 +80,13 @@ Key = tuple[str, str, tuple[int, ...]]  # (kind, space, tokens)
 Candidate = tuple[Key, int]  # an entry's key and the fewest tokens a hit on it must cover
 
 
-class CacheMemory(Protocol):
-    """The memory operations the state cache needs (LlamaRuntime, or a fake in tests)."""
-
-    def seq_copy(self, src: int, dst: int) -> None: ...
-
-    def seq_remove(self, seq_id: int) -> None: ...
-
-    def seq_truncate(self, seq_id: int, position: int) -> None: ...
-
-    def seq_remove_before(self, seq_id: int, position: int) -> None: ...
-
-    def seq_save(self, seq_id: int) -> bytes | bytearray: ...
-
-    def seq_restore(self, seq_id: int, data: bytes | bytearray) -> bool: ...
-
-
 class Room(Protocol):
     """Where a restored entry's cells come from: the step a unit is about to start in
-    (decider.engine.steps.Step)."""
+    (decider.engine.scheduling.steps.Step)."""
 
     def lend_cells(self, cells: int, *, then: int) -> bool: ...
 
     def return_cells(self, cells: int) -> None: ...
-
-
-class Pool(Protocol):
-    """The sequence pool's side the cache uses (decider.engine.steps.SeqPool)."""
-
-    def take_free(self) -> int | None: ...
-
-    def release(self, memory: Any, seq: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -173,8 +149,7 @@ class StateCache:
 
     def __init__(
         self,
-        memory: CacheMemory,
-        pool: Pool,
+        pool: SeqPool,
         *,
         head: int,
         max_cells: int,
@@ -183,14 +158,13 @@ class StateCache:
         metrics: Any,
         host: HostCache | None = None,
     ) -> None:
-        self._memory = memory
         self._pool = pool
         self.head = head
         self.max_cells = max_cells
         self.max_seqs = max_seqs
         self.partial = partial
         self._metrics = metrics
-        self.host = host  # the host-memory tier: evicted entries, saved (decider.engine.host_cache)
+        self.host = host  # the host-memory tier: evicted entries, saved (decider.engine.memory.host_cache)
         self._entries: OrderedDict[Key, CachedState] = OrderedDict()
         self._published: tuple[Candidate, ...] = ()
 
@@ -282,9 +256,8 @@ class StateCache:
 
     def take(self, hit: StateHit, seq: int) -> None:
         """Copy a hit into `seq` (cut to the hit's length if it is shorter than the entry) and pin it."""
-        self._memory.seq_copy(hit.entry.seq, seq)
-        if hit.length < len(hit.entry.tokens):
-            self._memory.seq_truncate(seq, hit.entry.start + hit.length)
+        cut = hit.length < len(hit.entry.tokens)
+        self._pool.share(hit.entry.seq, seq, end=hit.entry.start + hit.length if cut else None)
         hit.entry.pins += 1
         self._touch(hit.entry)
         self._metrics.cache_lookups.labels(hit.entry.kind, "hit").inc()
@@ -310,11 +283,9 @@ class StateCache:
         copy = self._pool.take_free()
         if copy is None:
             return False
-        self._memory.seq_copy(seq, copy)
         start = self.head if kind == STATE else 0
-        if longer:
-            assert self.partial, "only a model that allows partial hits may cut a copy"
-            self._memory.seq_truncate(copy, start + len(key[2]))
+        assert not longer or self.partial, "only a model that allows partial hits may cut a copy"
+        self._pool.share(seq, copy, end=start + len(key[2]) if longer else None)
         self._add(CachedState(key[2], copy, kind=kind, start=start, prompt_tokens=len(key[2]), space=space))
         return True
 
@@ -364,6 +335,21 @@ class StateCache:
                 self.host.discard(entry.key)
             self._evict(entry)
 
+    def reclaim(self, cells: int, *, whole: bool = True) -> int:
+        """Evict unpinned entries, least recently used first, until `cells` are freed; the cells
+        freed. With `whole`, nothing goes when all that could go would not free that many (a unit
+        starts only with all its cells). The one way running work takes cells from the cache: a
+        unit about to start (`Step`), and generating chats (the engine loop)."""
+        if cells <= 0 or (whole and self.spare_cells < cells):
+            return 0
+        freed = 0
+        while freed < cells:
+            got = self.evict_one()
+            if got is None:
+                break
+            freed += got
+        return freed
+
     def evict_one(self) -> int | None:
         """Drop the least recently used unpinned entry, saved in host memory first (`_save`); the
         cells it held, or None if none can go."""
@@ -381,7 +367,7 @@ class StateCache:
         that copy is used again: the most recently used now). One larger than the budget is not."""
         if self.host is None or self.host.get(entry.key) is not None:
             return
-        data = self._memory.seq_save(entry.seq)
+        data = self._pool.save(entry.seq)
         self.host.put(
             SavedState(entry.kind, entry.tokens, data, entry.start, entry.prompt_tokens, space=entry.space)
         )
@@ -403,15 +389,12 @@ class StateCache:
         if seq is None:
             room.return_cells(saved.cells)
             return None
-        if not self._memory.seq_restore(seq, saved.data):
-            self._pool.release(self._memory, seq)
+        head = saved.start if shares_head else 0
+        if not self._pool.restore(seq, saved.data, head=head):  # released again when it failed
             room.return_cells(saved.cells)
             self._metrics.cache_host_restores.labels(saved.kind, "failed").inc()
             return None
-        if shares_head and saved.start:
-            self._memory.seq_remove_before(seq, saved.start)
-            self._memory.seq_copy(HEAD_SEQ, seq)
-            room.return_cells(saved.start)
+        room.return_cells(head)  # the head sequence's cells, shared
         entry = CachedState(
             saved.tokens,
             seq,
@@ -427,7 +410,7 @@ class StateCache:
 
     def _evict(self, entry: CachedState) -> None:
         del self._entries[entry.key]
-        self._pool.release(self._memory, entry.seq)
+        self._pool.release(entry.seq)
         self._metrics.cache_evictions.labels(entry.kind).inc()
         self._publish()
 

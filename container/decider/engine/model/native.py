@@ -22,7 +22,7 @@ import llama_cpp
 import llama_cpp._logger as llama_logger
 import numpy as np
 
-from decider.engine.abort_flag import AbortFlag
+from decider.engine.model.abort_flag import AbortFlag
 from decider.invariance import BatchPolicy
 
 # llama.cpp logs every tensor at load; keep errors only (the engine reports its own summary).
@@ -201,7 +201,7 @@ class LlamaRuntime:
         self._batch = llama_cpp.llama_batch_init(policy.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
         # The abort callback runs between graph nodes, on the compute threads: a native flag read
-        # there needs no interpreter lock (decider.engine.abort_flag); a watcher sets it.
+        # there needs no interpreter lock (decider.engine.model.abort_flag); a watcher sets it.
         self._abort = AbortFlag()
         llama_cpp.llama_set_abort_callback(self._ctx, self._abort.callback, self._abort.data)
 
@@ -327,7 +327,7 @@ class LlamaRuntime:
 
     def seq_save(self, seq_id: int) -> bytearray:
         """Every cell of a sequence (K/V, and the recurrent state on hybrid models) as bytes, for
-        `seq_restore` into any sequence of this context (host memory: decider.engine.host_cache).
+        `seq_restore` into any sequence of this context (host memory: decider.engine.memory.host_cache).
         llama.cpp writes straight into the buffer that is kept: the state is copied once (a Qwen3.5-4B
         state carries ~50 MiB of recurrent state)."""
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)

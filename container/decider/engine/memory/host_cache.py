@@ -1,5 +1,5 @@
 """Kept states and chat turns saved to host memory: the second tier behind
-decider.engine.prefix_cache.StateCache (llama-server's `--cache-ram`).
+decider.engine.memory.prefix_cache.StateCache (llama-server's `--cache-ram`).
 
 An entry the state cache evicts for running work or for its budget is first saved here
 (`llama_state_seq_get_data`: every cell of its sequence, K/V and recurrent state, as bytes). A later
@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-# (kind, space, tokens), as decider.engine.prefix_cache keys its entries
+# (kind, space, tokens), as decider.engine.memory.prefix_cache keys its entries
 Key = tuple[str, str, tuple[int, ...]]
 
 
@@ -29,7 +29,7 @@ class SavedState:
     data: bytes | bytearray  # as llama.cpp wrote it (native.LlamaRuntime.seq_save): never copied
     start: int  # the position of tokens[0] (a state's follow the prompt head)
     prompt_tokens: int
-    space: str = ""  # the cache space of the requests that kept it (decider.engine.prefix_cache)
+    space: str = ""  # the cache space of the requests that kept it (decider.engine.memory.prefix_cache)
 
     @property
     def key(self) -> Key:
