@@ -19,6 +19,7 @@ from server_fakes import FakeEngine, FakeRuntime, chars
 from decider.engine.model.labels import build_label_table
 from decider.engine.model.native import KvCacheFullError, NativeError, Row
 from decider.engine.scheduling.jobs import Job
+from decider.engine.scheduling.loop import STALL_SECONDS
 from decider.engine.scheduling.scheduler import Scheduler
 from decider.engine.works.chat import ChatPlan, ChatWork
 from decider.errors import (
@@ -261,6 +262,32 @@ def test_a_chat_short_of_cells_pauses_while_a_decision_holds_them() -> None:
     _, finish, usage = chat.result(10)
     assert finish == "length" and usage.completion_tokens == 700 - 3  # its max_tokens, not cut
     assert done == ["decision", "chat"]
+    scheduler.close()
+
+
+def test_a_chat_never_waits_on_a_decision_that_holds_cells_and_cannot_plan_a_row() -> None:
+    """The decision holds its cells but plans no row while the chat runs (as one did when the
+    chats held the sequences it needed). The chat, short of cells, paused beside it, nothing moved,
+    and after 5 s both failed with a 500. Chats pause only while the engine moves: after a step
+    with no row the chat stops with finish_reason "length", and the decision goes on."""
+    engine = FakeEngine(n_ctx=700, n_batch=4, chat_tokens=100_000)
+    scheduler = _scheduler(engine)
+    work = _work(engine, {**DECISION, "state": "long " * 40})
+    chat_work = _chat(700 - 3)
+    plan_step = work.plan_step
+
+    def blocked_beside_the_chat(step: Any) -> None:
+        if not (work.started and not chat_work.finished):
+            plan_step(step)
+
+    work.plan_step = blocked_beside_the_chat  # type: ignore[method-assign]
+    chat = scheduler.submit(_job(kind="chat"), chat_work)
+    submitted = time.monotonic()
+    decision = scheduler.submit(_job(), work)
+    _, finish, usage = chat.result(10)
+    assert finish == "length" and usage.completion_tokens < 700 - 3  # stopped for cells, not paused
+    assert decision_response(decision.result(10)).answers
+    assert time.monotonic() - submitted < STALL_SECONDS
     scheduler.close()
 
 

@@ -178,8 +178,10 @@ class EngineLoop:
         """Every generating chat takes one cell in each step, and leaves free the cells that the
         first unit waiting for cells needs to start (first come, first served: chats growing into
         freed cells must not starve it). When the free cells are fewer: while a decision holds
-        cells, the chats without one pause (the decision ends, and its cells come back); otherwise
-        the youngest chats stop with finish_reason "length" until the rest fit."""
+        cells and the engine moves, the chats without one pause (the decision ends, and its cells
+        come back); otherwise, and as soon as a step came out with no row (the cell holders cannot
+        plan one: a chat must never wait on a holder that does not move), the youngest chats stop
+        with finish_reason "length" until the rest fit."""
         assert self.seqs is not None
         chats = [r for r in self.works if r.work.kind == "chat" and r.work.cells_wanted]  # type: ignore[attr-defined]
         need, free = len(chats), self._free_cells(backend) - self._cells_claimed
@@ -189,7 +191,8 @@ class EngineLoop:
         free = self._free_cells(backend) - self._cells_claimed
         if need <= free:
             return
-        if any(r.work.kind != "chat" and r.work.footprint().held for r in self.works):
+        holders = any(r.work.kind != "chat" and r.work.footprint().held for r in self.works)
+        if holders and self._stalled_since is None:
             return
         for running in reversed(chats):  # admission order: the youngest last
             if need <= free:
@@ -390,8 +393,9 @@ class EngineLoop:
         """No row fits although works are waiting: if nothing holds memory, the first can never run.
 
         Started works have their memory reserved (a chat short of cells for its next token pauses
-        only beside a decision, which has rows, else it is stopped), so they stall only through a bug: after
-        STALL_SECONDS without a row they fail (500) rather than hang until their deadline."""
+        only beside a decision that has rows: after a step with none it is stopped), so they stall
+        only through a bug: after STALL_SECONDS without a row they fail (500) rather than hang until
+        their deadline."""
         if any(r.started for r in self.works):
             now = time.monotonic()
             self._stalled_since = self._stalled_since or now
