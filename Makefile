@@ -12,8 +12,9 @@ BIN := $(VENV)/bin
 # also bump llama-cpp-python or clear the cache, or the old wheel is reused.
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-front bench-bad-input bench-abort bench-host-tier bench-kv-span fuzz soak llama-server bench-gpu image image-test game-day clean
+.PHONY: setup demo test lint fmt synth diff bench-engine bench-server bench-front bench-bad-input bench-abort bench-host-tier bench-kv-span fuzz soak llama-server bench-gpu image image-test report-browser game-day clean
 
 setup: $(STAMP) node_modules/.installed
 
@@ -132,6 +133,15 @@ image-test: setup
 	@test "$(VARIANT)" = cpu || { echo "image-test runs the CPU contract (no GPU here): VARIANT=cpu only" >&2; exit 2; }
 	tools/dev/image/docker-host.sh
 	$(BIN)/python -m decider_dev.image.contract --image $(IMAGE)
+
+# The decide-eval HTML report of a real run, read in a real headless browser: plots decoded and
+# shown, tables with rows, nothing wider than the window; the screenshot lands in
+# runs/report-browser/report.png (tests/evaluate/test_report_in_browser.py). Installs Debian's
+# chromium (apt) and Playwright (requirements-browser.txt) first; never part of `make setup`.
+report-browser: setup
+	command -v chromium >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-browser.txt
+	DECIDER_REQUIRE_BROWSER=1 $(BIN)/pytest -n 0 -q -p no:cacheprovider tests/evaluate/test_report_in_browser.py
 
 # The game day (tools/dev/gameday/): the scenarios the AWS docs leave open, in a SCRATCH account, on the
 # smallest instances; it tears down after itself. Real AWS calls and costs: never part of `make test`.
