@@ -37,7 +37,7 @@ from decider.engine.model.native import (
     Row,
 )
 from decider.engine.works.chat import ChatWork
-from decider.engine.works.work import DecisionWork
+from decider.engine.works.decision_work import DecisionWork
 from decider.errors import StartupError, UnavailableError
 from decider.invariance import HEAD_SEQ, BatchPolicy
 from decider.schemas.decision import DecisionResponse, parse_batch_request, parse_decision_request

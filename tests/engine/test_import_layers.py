@@ -111,6 +111,36 @@ def test_the_engine_imports_no_wire_schema_and_no_server() -> None:
     assert not {module: names for module, names in wrong.items() if names}
 
 
+# The engine's parts, bottom first: the model and its prompt; structured output; memory (sequences,
+# kept states, the host tier); scheduling (the loop, admission, and the Work protocol it drives);
+# the works (decisions, chats); engine.py, which puts them together.
+ENGINE_LAYERS = ("model", "structured", "memory", "scheduling", "works", "engine")
+
+
+def _engine_layer(module: str) -> int:
+    """The index in ENGINE_LAYERS of a module under decider.engine (the package itself: above all)."""
+    parts = module.split(".")
+    return ENGINE_LAYERS.index(parts[2]) if len(parts) > 2 else len(ENGINE_LAYERS)
+
+
+def test_the_engine_s_parts_import_only_the_parts_below_them() -> None:
+    """So the scheduler never reaches into a work, and memory never into the scheduler: each part can
+    be read, and tested, with only what is below it."""
+    engine = {
+        module: imported
+        for module, imported in _graph(everywhere=True).items()
+        if module.startswith("decider.engine")
+    }
+    assert {module.split(".")[2] for module in engine if module.count(".") > 1} == set(ENGINE_LAYERS)
+    upward = sorted(
+        f"{module} -> {name}"
+        for module, imported in engine.items()
+        for name in imported
+        if name.startswith("decider.engine") and _engine_layer(name) > _engine_layer(module)
+    )
+    assert not upward, "\n".join(upward)
+
+
 def test_no_module_cycle_at_import_time() -> None:
     graph = _graph(everywhere=False)
     assert not _cycle(graph), " -> ".join(_cycle(graph))

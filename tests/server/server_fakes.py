@@ -27,8 +27,8 @@ from decider.engine.model.prompt import (
 )
 from decider.engine.scheduling.cost import span_attended
 from decider.engine.works.chat import ChatPlan, ChatWork
+from decider.engine.works.decision_work import DecisionWork
 from decider.engine.works.decisions import DecisionPlan, DecisionPlanner
-from decider.engine.works.work import DecisionWork
 from decider.errors import RequestError
 from decider.invariance import BatchPolicy
 from decider.settings import Settings

@@ -45,6 +45,7 @@ from decider.engine.scheduling.jobs import Job
 from decider.engine.scheduling.scheduler import Scheduler
 from decider.engine.works import generation
 from decider.engine.works.chat import ChatPlan, ChatPlanner, ChatWork
+from decider.engine.works.decision_work import DecisionWork
 from decider.engine.works.decisions import (
     BatchDecisionRequest,
     DecisionOutcome,
@@ -53,7 +54,6 @@ from decider.engine.works.decisions import (
     DecisionRequest,
 )
 from decider.engine.works.generation import GenerationEvent
-from decider.engine.works.work import DecisionWork
 from decider.errors import StartupError
 from decider.memory_budget import size_host_tier
 from decider.settings import CacheBudget, Settings
@@ -83,18 +83,6 @@ class ModelInfo(BaseModel):
     markers: dict[
         str, list[str]
     ]  # token texts caller text never becomes, by source (engine/model/markers.py)
-
-
-def context_config(settings: Settings, *, count_passes: bool = False) -> ContextConfig:
-    """The llama.cpp context the settings ask for (the server's load and its load probe alike)."""
-    return ContextConfig(
-        n_ctx=settings.n_ctx,
-        policy=settings.batch_policy,
-        n_threads=settings.threads(),
-        n_gpu_layers=settings.n_gpu_layers,
-        flash_attn=settings.flash_attn,
-        count_passes=count_passes,
-    )
 
 
 class DecisionEngine:
@@ -146,7 +134,7 @@ class DecisionEngine:
         `count_passes`: the runtime counts forward passes (`runtime.passes`; benchmarks, tests)."""
         path = resolve_model_file(settings)
         digest = verify_sha256(path, settings)
-        config = context_config(settings, count_passes=count_passes)
+        config = ContextConfig.from_settings(settings, count_passes=count_passes)
         try:
             runtime = LlamaRuntime(path, config)
         except InvarianceUnsupportedError as exc:  # asked for on a model where it cannot hold

@@ -1,2 +1,3 @@
-"""The engine's memory across steps: kept states and chat turns (prefix_cache), their host-memory
-tier (host_cache), and the memory epochs of batch-invariant mode (epochs)."""
+"""The engine's memory across steps: the context's sequences (sequences), kept states and chat turns
+(prefix_cache) and their host-memory tier (host_cache). When memory is freed in batch-invariant
+mode is the scheduler's call (decider.engine.scheduling.epochs)."""

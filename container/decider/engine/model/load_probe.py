@@ -36,7 +36,7 @@ from decider.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# The settings that shape the llama.cpp model and context (decider.engine.engine.context_config).
+# The settings that shape the llama.cpp model and context (native.ContextConfig.from_settings).
 CONTEXT_FIELDS = (
     "n_gpu_layers",
     "flash_attn",
@@ -162,15 +162,14 @@ def _child(model: Path, values: dict[str, Any], backends: Sequence[Path]) -> Non
     matmul kernels), close."""
     import llama_cpp._logger as llama_logger
 
-    from decider.engine.engine import context_config
     from decider.engine.model.ggml_backends import load_backend_files
-    from decider.engine.model.native import LlamaRuntime, OutputSpec, Row
+    from decider.engine.model.native import ContextConfig, LlamaRuntime, OutputSpec, Row
 
     llama_logger.set_verbose(True)  # llama.cpp's own load log, to stderr (the parent keeps its tail)
     load_backend_files(backends)
     settings = Settings.from_values(values)
     print(f"load probe: loading {model} with {describe_settings(settings)}", flush=True)
-    runtime = LlamaRuntime(model, context_config(settings))
+    runtime = LlamaRuntime(model, ContextConfig.from_settings(settings))
     text = "A probe of this model's load and kernels on this host. " * 8
     tokens = runtime.tokenize(text, special=False)[:PROBE_TOKENS]
     runtime.decode([Row(0, tokens, 0, OutputSpec(argmax=True))])

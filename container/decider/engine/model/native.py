@@ -24,6 +24,7 @@ import numpy as np
 
 from decider.engine.model.abort_flag import AbortFlag
 from decider.invariance import BatchPolicy
+from decider.settings import Settings
 
 # llama.cpp logs every tensor at load; keep errors only (the engine reports its own summary).
 llama_logger.set_verbose(False)
@@ -94,6 +95,18 @@ class ContextConfig:
     n_gpu_layers: int
     flash_attn: bool
     count_passes: bool = False  # count forward passes (micro-batches): benchmarks and tests only
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, count_passes: bool = False) -> ContextConfig:
+        """The llama.cpp context the settings ask for (the server's load and its load probe alike)."""
+        return cls(
+            n_ctx=settings.n_ctx,
+            policy=settings.batch_policy,
+            n_threads=settings.threads(),
+            n_gpu_layers=settings.n_gpu_layers,
+            flash_attn=settings.flash_attn,
+            count_passes=count_passes,
+        )
 
 
 EMBEDDING_NODES = (b"embd", b"inp_embd", b"model.input_embed")  # the first node's name, by graph

@@ -12,13 +12,11 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from decider.engine.scheduling.cost import Cost
+from decider.engine.scheduling.work import Work
 from decider.errors import DeadlineExceededError, UnavailableError, shutting_down  # noqa: F401 - re-exported
-
-if TYPE_CHECKING:  # work.py imports admission.py, which builds jobs
-    from decider.engine.works.work import Work
 
 # A 504 after waiting at least this share of the deadline in the queue may succeed on a retry; one
 # whose work had the model nearly all along would only time out again.

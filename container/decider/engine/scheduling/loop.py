@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from decider.engine.memory.epochs import MemoryEpochs
 from decider.engine.memory.host_cache import HostCache
 from decider.engine.memory.prefix_cache import Caches, RepeatCache, StateCache
 from decider.engine.memory.sequences import SeqPool
 from decider.engine.model.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
 from decider.engine.scheduling.admission import Admission
 from decider.engine.scheduling.cost import Cost, span_attended
+from decider.engine.scheduling.epochs import MemoryEpochs
 from decider.engine.scheduling.jobs import (
     ClientGoneError,
     Job,
@@ -42,7 +42,7 @@ from decider.engine.scheduling.jobs import (
     shutting_down,
 )
 from decider.engine.scheduling.steps import PlannedRow, Step
-from decider.engine.works.work import Work
+from decider.engine.scheduling.work import Work
 from decider.errors import DeciderError, RequestError, UnavailableError, internal_error
 from decider.invariance import HEAD_SEQ, BatchPolicy
 from decider.settings import CacheBudget

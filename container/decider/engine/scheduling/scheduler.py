@@ -6,7 +6,7 @@ included). The scheduler puts three pieces together under one lock:
   on estimates of the work running beside it;
 - the engine loop (decider.engine.scheduling.loop): on the engine thread, one decode step at a time from every
   running work, deadlines, cancellation and failures;
-- memory epochs (decider.engine.memory.epochs), batch-invariant mode only: when dead cells are freed.
+- memory epochs (decider.engine.scheduling.epochs), batch-invariant mode only: when dead cells are freed.
 Requests are submitted as `Job`s (decider.engine.scheduling.jobs) whose futures the engine thread settles.
 """
 
@@ -21,13 +21,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from decider.engine.memory.epochs import MemoryEpochs
 from decider.engine.model.native import NativeError
 from decider.engine.scheduling.admission import Admission
 from decider.engine.scheduling.cost import Cost
+from decider.engine.scheduling.epochs import MemoryEpochs
 from decider.engine.scheduling.jobs import Job, Running, deadline_error, resolve, shutting_down
 from decider.engine.scheduling.loop import Backend, EngineLoop
-from decider.engine.works.work import Work
+from decider.engine.scheduling.work import Work
 from decider.errors import UnavailableError
 from decider.settings import CacheBudget
 

@@ -100,7 +100,7 @@ class Step:
     def has_sequences(self, sequences: int) -> bool:
         """`sequences` free beyond what the started prefixes still need (`branch_reserve`). The one
         reserve rule: a chat needs one; a state its prefix and its first branch, plus one for label
-        positions when any of its items has labels of several tokens (decider.engine.works.work)."""
+        positions when any of its items has labels of several tokens (decider.engine.works.decision_work)."""
         return self.seqs.available >= self.branch_reserve + sequences
 
     def try_start(self, unit: Unit, cells: int, *, sequences: int) -> bool:

@@ -2,7 +2,7 @@
 
 Handlers ask `ChatPlanner` (the engine's `chat`) for a plan (`plan`, on a worker thread: the
 template, the tokens, the limits) and then for its work (`work`); nothing else builds a `ChatWork`.
-The work runs on the scheduler's engine thread like any other (decider.engine.works.work.Work): it
+The work runs on the scheduler's engine thread like any other (decider.engine.scheduling.work.Work): it
 prefills its prompt in its own sequence, then decodes one token per step.
 
 Turns kept across requests (decider.engine.memory.prefix_cache, kind `chat`). The next turn of a
@@ -41,6 +41,7 @@ from decider.engine.model.prompt import ChatTemplate, TemplateUnusableError
 from decider.engine.scheduling.admission import ChatLengths
 from decider.engine.scheduling.cost import Cost, span_attended
 from decider.engine.scheduling.steps import Step, Unit
+from decider.engine.scheduling.work import Footprint
 from decider.engine.structured.constraints import Constraint, ConstraintFailedError
 from decider.engine.works import chat_options, generation
 from decider.engine.works.generation import (
@@ -51,7 +52,6 @@ from decider.engine.works.generation import (
     free_sampler,
     make_sampler,
 )
-from decider.engine.works.work import Footprint
 from decider.errors import RequestError
 
 

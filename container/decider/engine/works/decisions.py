@@ -410,7 +410,7 @@ class DecisionPlanner:
                 tokens = self.builder.tail(prompt, question.instructions, options)
                 trie = LabelTrie.of(labels)
                 # What the work reserves for this question beside its state's prefix, at the least (a
-                # streaming state: the prefix and its largest question; decider.engine.works.work): the tail
+                # streaming state: the prefix and its largest question; works.decision_work): the tail
                 # and every label position, and in fresh mode the head again (each branch decodes its
                 # whole prompt). Checked as each is tokenized, so a request that cannot run is refused
                 # here, before admission, not after it has waited for everything else to drain.

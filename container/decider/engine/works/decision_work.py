@@ -1,5 +1,5 @@
-"""Units of engine work as state machines over decode steps: the protocol, and a decision request
-(a chat completion is `decider.engine.works.chat.ChatWork`).
+"""A decision request as a unit of engine work: a state machine over decode steps
+(`decider.engine.scheduling.work.Work`; a chat completion is `decider.engine.works.chat.ChatWork`).
 
 A work never calls `llama_decode` itself. Each step, the scheduler asks it for rows (`plan_step`)
 within the step's token, sequence and memory-cell budgets; after the decode, each row's `on_done`
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from decider.engine.memory.prefix_cache import CachedState, Caches, prompt_digest, repeat_key
 from decider.engine.memory.sequences import SeqPool
@@ -27,6 +27,7 @@ from decider.engine.model.labels import READOUT_CHAIN
 from decider.engine.model.native import OutputSpec, Row
 from decider.engine.scheduling.cost import Cost
 from decider.engine.scheduling.steps import Step, Unit
+from decider.engine.scheduling.work import Footprint
 from decider.engine.works.decisions import (
     DecisionOutcome,
     DecisionPlan,
@@ -38,73 +39,6 @@ from decider.engine.works.decisions import (
 from decider.invariance import HEAD_SEQ
 
 
-@dataclass(frozen=True)
-class Footprint:
-    """What a work holds in the context now: everything the scheduler's memory accounting reads.
-
-    Cells: `future` are reserved and not decoded yet, `live` decoded and still owned, `dead`
-    (cumulative) released into the graveyards (batch-invariant mode)."""
-
-    live: int = 0
-    future: int = 0
-    dead: int = 0
-    seqs: tuple[int, ...] = ()  # every sequence it holds, whatever its role
-    prefix_seqs: int = 0  # sequences its prefixes still need to open their branches (Step.branch_reserve)
-    holds_epoch_cells: bool = False  # a started, open decision state: a memory epoch must keep its cells
-    streams_alone: bool = False  # a state too large for one epoch runs: no other state may start
-
-    @property
-    def held(self) -> int:
-        return self.live + self.future
-
-
-class Work(Protocol):
-    """What the scheduler drives."""
-
-    kind: str
-    decodes: int
-    timing: dict[str, float]
-
-    @property
-    def cost(self) -> Cost:
-        """What it costs the engine at most (the wait estimates of the work behind it)."""
-        ...
-
-    @property
-    def least_cost(self) -> Cost:
-        """What it costs the engine at least (whether it can meet its own deadline)."""
-        ...
-
-    def costs_given(self, caches: Caches | None) -> tuple[Cost, Cost]:
-        """`cost` and `least_cost` less what the caches hold now (admission, before it is submitted)."""
-        ...
-
-    @property
-    def started(self) -> bool: ...
-
-    @property
-    def wants_start(self) -> bool:
-        """It has a unit of work (a state, a chat) that has not started yet."""
-        ...
-
-    @property
-    def started_units(self) -> int:
-        """Its units (states, a chat) that have started (the scheduler's per-unit fairness)."""
-        ...
-
-    @property
-    def finished(self) -> bool: ...
-
-    def footprint(self) -> Footprint: ...
-
-    def plan_step(self, step: Step) -> None: ...
-
-    def outcome(self) -> Any: ...
-
-    def abandon(self, seqs: SeqPool) -> None: ...
-
-
-# --- decisions ----------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Branch:
     """A sequence holding one item's prompt plus `prefix` label tokens, up to position `end`."""
