@@ -4,6 +4,10 @@
 SHELL := /bin/bash
 # jsii (aws-cdk-lib) prints a banner about Node 20 on every import; it is noise here.
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
+# Some images set PYTHONDONTWRITEBYTECODE=1: then every pytest worker rewrites the asserts of ~500
+# modules again (9 of its 16 s of collection here) and every server it starts compiles the package.
+# The caches go to __pycache__ folders (git-ignored).
+unexport PYTHONDONTWRITEBYTECODE
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

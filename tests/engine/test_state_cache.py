@@ -443,34 +443,36 @@ def test_a_sliding_window_model_takes_exact_hits_only(
 def test_kept_states_give_way_to_running_work(smollm2_path: Path) -> None:
     """Under pressure the least recently used entries go, for sequences and for cells alike: a request
     that needs the whole context still runs, and nothing is left pinned. (Without the host-memory
-    tier, which would bring them back: tests/engine/test_host_tier.py.)"""
+    tier, which would bring them back: tests/engine/test_host_tier.py.) A small context and one
+    question each keep it to a few seconds of decodes."""
     for engine in load(
         smollm2_path,
-        n_ctx=2048,
-        max_state_tokens=1800,
+        n_ctx=1024,
+        max_state_tokens=900,
         state_cache_seqs=2,
-        state_cache_cells=1500,
+        state_cache_cells=750,
         state_cache_host_mib=0,
     ):
         states = engine._local.loop.caches.states
-        bodies = [unique(EXAMPLE, f"Case {i}: " + "the payout failed again. " * 100) for i in range(3)]
+        one = {**EXAMPLE, "questions": {"refund": EXAMPLE["questions"]["refund"]}}
+        bodies = [unique(one, f"Case {i}: " + "the payout failed again. " * 45) for i in range(3)]
         for body in bodies:
             decide(engine, body)
-        assert len(states) == 2 and states.cells > 1000  # the first went for the third (sequences)
+        assert len(states) == 2 and states.cells > 500  # the first went for the third (sequences)
         assert decide(engine, bodies[0]).extensions["decodes"] == 0  # a repeat still: no state needed
-        assert decide(engine, {**bodies[1], "questions": OTHER_QUESTIONS}).usage.cached_tokens > 500
+        assert decide(engine, {**bodies[1], "questions": OTHER_QUESTIONS}).usage.cached_tokens > 250
         assert decide(engine, {**bodies[0], "questions": OTHER_QUESTIONS}).usage.cached_tokens == 0
-        large = unique(EXAMPLE, "A long account of the problem. " * 130)
-        need = state_tokens(engine, large) + 150  # its state and three branches
-        assert need > 2048 - len(engine.head_tokens) - states.cells  # more than the kept states leave
+        large = unique(one, "A long account of the problem. " * 62)
+        need = state_tokens(engine, large) + 150  # its state and its branches
+        assert need > 1024 - len(engine.head_tokens) - states.cells  # more than the kept states leave
         answered = decide(engine, large)  # so the oldest kept states go for it
-        assert answered.answers.keys() == EXAMPLE["questions"].keys()
+        assert answered.answers.keys() == one["questions"].keys()
         assert any(len(entry.tokens) == state_tokens(engine, large) for entry in states._entries.values())
         # Chat turns share the budget and the order: a kept chat turn that needs room in the budget
         # evicts the least recently used kept state.
-        story = [{"role": "user", "content": uuid.uuid4().hex + " Tell me the story again." * 100}]
+        story = [{"role": "user", "content": uuid.uuid4().hex + " Tell me the story again." * 50}]
         assert engine.generate(story, max_tokens=2)[1] in ("stop", "length")
-        assert [entry.kind for entry in states._entries.values()] == [CHAT] and states.cells <= 1500
+        assert [entry.kind for entry in states._entries.values()] == [CHAT] and states.cells <= 750
         assert_released(engine)
 
 
