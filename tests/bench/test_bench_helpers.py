@@ -307,3 +307,24 @@ def test_the_multi_turn_line_sets_the_last_turn_s_first_token_against_the_first(
         "cached_tokens_first=0 cached_tokens_last=150 turn_ends=length,length,stop,length,length,stop,"
         "length,500 internal_error,stop"
     )
+
+
+def test_the_schema_fuzz_sends_an_outlier_again_and_keeps_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One slow decision beside a schema's chat is sent twice more: the median stands for it, and the
+    first try is still reported."""
+    from decider_dev.fuzz import schema_corpus
+
+    beside = {"slow": [5.0, 1.1, 1.3], "fast": [1.5], None: [1.0, 1.0, 1.0]}
+
+    def fake_beside(client, other, url, named, max_tokens, strict):
+        name = named[0] if named else None
+        return schema_corpus.Outcome(name or "plain", 200, finish="length"), beside[name].pop(0)
+
+    monkeypatch.setattr(schema_corpus, "_beside", fake_beside)
+    monkeypatch.setattr(schema_corpus, "decide", lambda client, url: 1.0)
+    monkeypatch.setattr(schema_corpus, "restarts", lambda client, url: 0.0)
+    items = list(schema_corpus.run("http://127.0.0.1:1", [("slow", {}), ("fast", {})], 8))
+    counts = items[-1].counts()
+    assert beside == {"slow": [], "fast": [], None: []}  # the slow one three times, the fast one once
+    assert counts["decision_beside_max_ratio"] == 1.5 and counts["decision_beside_max_schema"] == "fast"
+    assert counts["decision_beside_first_max_ratio"] == 5.0 and counts["decision_beside_retried"] == 1

@@ -13,11 +13,15 @@ decision beside each chat must answer, and its time beside the chat over its tim
 The last line is machine-readable:
     corpus=… sent=… ok=… valid_on_stop=… invalid_on_stop=… length=… refused=… errors_5xx=…
       unchecked_on_stop=… transport_errors=… restarts=… coverage=… decision_beside_p50_ratio=…
-      decision_beside_max_ratio=… decision_beside_plain_chat_p50_ratio=… decision_beside_max_schema=…
+      decision_beside_max_ratio=… decision_beside_first_max_ratio=… decision_beside_retried=…
+      decision_beside_plain_chat_p50_ratio=… decision_beside_max_schema=…
 
 `coverage` counts a 200 that ended with `length`, or with `stop` and output that validated;
 `decision_beside_plain_chat_p50_ratio` is the same decision beside the same chat without a
-response_format (what sharing the engine costs before any constraint).
+response_format (what sharing the engine costs before any constraint). A schema whose decision
+took more than OUTLIER_RATIO times its time alone is sent twice more, and its time is the median
+of the three: one slow sample on a shared machine is noise, the same schema slow three times is
+not (`decision_beside_retried` counts them; `decision_beside_first_max_ratio` is the worst first try).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from decider_dev.local_server import run_local_server
 
 MAX_SCHEMA_BYTES = 65536  # DECIDER_MAX_SCHEMA_BYTES' default: larger ones are refused by design
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
+OUTLIER_RATIO = 2.0  # issue 31 §3: a decision beside any schema's chat answers within 2x its time alone
+OUTLIER_TRIES = 3
 _orders = iter(range(1000, 10**9))
 
 
@@ -89,7 +95,9 @@ class Outcome:
 @dataclass
 class Report:
     outcomes: list[Outcome] = field(default_factory=list)
-    beside: list[float] = field(default_factory=list)  # decision seconds beside each chat
+    beside: list[float] = field(default_factory=list)  # decision seconds beside each chat (median of tries)
+    first_tries: list[float] = field(default_factory=list)  # the first try's seconds, beside each chat
+    retried: int = 0  # schemas sent OUTLIER_TRIES times
     beside_plain: list[float] = field(default_factory=list)  # beside a chat with no response_format
     alone: float = 0.0
     restarts: float = 0.0
@@ -114,6 +122,10 @@ class Report:
             "coverage": len(usable) / len(self.outcomes) if self.outcomes else 0.0,
             "decision_beside_p50_ratio": statistics.median(ratios) if ratios else float("nan"),
             "decision_beside_max_ratio": max(ratios) if ratios else float("nan"),
+            "decision_beside_first_max_ratio": max(self.first_tries) / self.alone
+            if self.first_tries and self.alone
+            else float("nan"),
+            "decision_beside_retried": self.retried,
             "decision_beside_plain_chat_p50_ratio": statistics.median(self.beside_plain) / self.alone
             if self.beside_plain and self.alone
             else float("nan"),
@@ -211,6 +223,14 @@ def run(
             report.beside_plain.append(_beside(client, beside, base_url, None, max_tokens, strict)[1])
         for name, schema in schemas:
             outcome, seconds = _beside(client, beside, base_url, (name, schema), max_tokens, strict)
+            report.first_tries.append(seconds)
+            if seconds > OUTLIER_RATIO * report.alone:
+                again = (
+                    _beside(client, beside, base_url, (name, schema), max_tokens, strict)[1]
+                    for _ in range(OUTLIER_TRIES - 1)
+                )
+                seconds = statistics.median([seconds, *again])
+                report.retried += 1
             report.beside.append(seconds)
             report.outcomes.append(outcome)
             yield outcome
