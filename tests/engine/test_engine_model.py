@@ -210,7 +210,7 @@ def _choice(n: int) -> dict:
 @pytest.fixture(scope="module")
 def hybrid(qwen35_path):
     """The production architecture, tiny and random (SmolLM2's tokenizer, so its label table): a
-    255-option prompt is 3.5k tokens, 37 s of CPU on SmolLM2 at one thread and a second here."""
+    255-option prompt is 3.5k tokens: 37 s of CPU on SmolLM2 at one thread, a third of a second here."""
     loaded = DecisionEngine.load(Settings(model_path=qwen35_path))
     yield loaded
     loaded.close()

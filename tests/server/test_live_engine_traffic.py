@@ -146,7 +146,7 @@ def _cpu_seconds(server: LocalServer) -> float:
 def _assert_the_model_stopped(server: LocalServer) -> None:
     """A second after the stop, the server idles: a model still at work would burn about a core
     (one thread) through the next second. CPU time, unlike a timed request, does not grow when other
-    processes crowd the machine, so a busy test run cannot make this fail or pass by accident."""
+    processes crowd the machine, so a busy test run cannot make this fail."""
     time.sleep(1.0)
     before = _cpu_seconds(server)
     time.sleep(1.0)
