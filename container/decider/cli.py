@@ -71,7 +71,7 @@ def configure_logging(level: str = "info") -> None:
         logging.getLogger(name).setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """The engine child gets SIGTERM when the front is gone, however it went (Linux's
     PR_SET_PDEATHSIG; elsewhere the child outlives a killed front)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.socket:
             print("serve engine: --socket is required", file=sys.stderr)
             return EXIT_INVALID_SETTINGS
-        _die_with_parent()
+        die_with_parent()
     # A native crash (llama.cpp, CUDA) then leaves every thread's Python stack on stderr, which
     # SageMaker sends to CloudWatch with the rest of the log.
     faulthandler.enable(all_threads=True)

@@ -5,9 +5,13 @@ like `serve engine`, and dies natively (os.abort) on what a test asks for.
 
 - `/ping`: 200 once started (after `$FAKE_ENGINE_START_S` seconds; `$FAKE_ENGINE_FAIL_START`: exit 1
   before that, as a model that cannot load);
-- `POST /echo`: the body back; `{"crash": ...}` anywhere in it aborts the process first;
+- `POST /echo`: the body back; `{"crash": ...}` anywhere in it aborts the process first, and a body
+  that holds `"hold"` is answered after `$FAKE_ENGINE_HOLD_S` seconds (a request still running);
 - `POST /stream`: two server-sent events, then an abort;
 - `GET /metrics`: empty (the front adds its own).
+
+Like the real child (decider.cli), it dies with its front, however the front went: a test that kills
+the front leaves no process behind.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import sys
 import time
 
 import uvicorn
+
+from decider.cli import die_with_parent
 
 STARTED = time.monotonic() + float(os.environ.get("FAKE_ENGINE_START_S", "0"))
 
@@ -39,6 +45,8 @@ async def app(scope, receive, send):  # type: ignore[no-untyped-def]
     elif path == "/echo":
         if b'"crash"' in body:
             os.abort()
+        if b'"hold"' in body:
+            await asyncio.sleep(float(os.environ.get("FAKE_ENGINE_HOLD_S", "1")))
         request_id = dict(scope["headers"]).get(b"x-decider-request-id", b"").decode()
         await _json(send, 200, {"echo": json.loads(body or b"null"), "id": request_id}, request_id)
     elif path == "/metrics":  # the child's own counters: none here
@@ -69,6 +77,7 @@ async def _json(send, status, body, request_id=""):  # type: ignore[no-untyped-d
 
 
 if __name__ == "__main__":
+    die_with_parent()
     if os.environ.get("FAKE_ENGINE_FAIL_START"):
         time.sleep(0.2)
         sys.exit(1)

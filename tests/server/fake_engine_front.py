@@ -2,11 +2,15 @@
 for tests/server/test_supervisor.py.
 
     python fake_engine_front.py PORT
+
+`$FAKE_FRONT_SETTINGS`: a JSON object of settings over the ones below.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +28,7 @@ def main() -> int:
             "host": "127.0.0.1",
             "port": int(sys.argv[1]),
             "deadline_seconds": 10,
+            **json.loads(os.environ.get("FAKE_FRONT_SETTINGS", "{}")),
         }
     )
     return run_front(settings, command=lambda socket: [sys.executable, str(CHILD), socket])

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,8 @@ import pytest
 from conftest import LIVE_ENV
 from server_helpers import DECISION, assert_error_body
 
-from decider.errors import EXIT_ENGINE_CRASHING
-from decider.server.supervisor import CRASH_BUDGET, CrashLedger, Running, fingerprint
+from decider.errors import EXIT_ENGINE_CRASHING, OverloadedError
+from decider.server.supervisor import CRASH_BUDGET, CrashLedger, HeldBodies, Running, fingerprint
 from decider_dev.local_server import LocalServer, free_port, run_local_server
 
 FRONT = Path(__file__).with_name("fake_engine_front.py")
@@ -53,6 +54,18 @@ def test_only_crashes_in_a_row_count() -> None:
     assert ledger.crashed([one]) == [] and not ledger.is_refused("/x", b"1")
     ledger.answered("/x", b"1")  # answered since: not a suspect any more
     assert ledger.crashed([one]) == []
+
+
+def test_the_bodies_the_front_holds_are_bounded_in_bytes() -> None:
+    bodies = HeldBodies(10)
+    bodies.take(6)
+    with pytest.raises(OverloadedError) as refused:
+        bodies.take(5)
+    assert refused.value.code == "queue_full" and refused.value.retryable and bodies.held == 6
+    bodies.take(4)  # up to the bound exactly
+    bodies.give_back(6)
+    bodies.take(5)
+    assert bodies.held == 9
 
 
 def test_the_front_never_loads_the_engine() -> None:
@@ -152,6 +165,30 @@ def test_an_engine_that_keeps_dying_ends_the_front(front: Front) -> None:
         assert front.echo({"crash": n}).status_code == 503  # each a new request: none is refused
     assert front.process.wait(timeout=30) == EXIT_ENGINE_CRASHING
     assert "giving up, so the instance is replaced" in front.output()
+
+
+def test_a_body_past_the_front_s_bound_is_refused_while_read_and_the_bound_comes_back() -> None:
+    """The front holds each body until its answer: with room for one body at the cap (6 MiB), a
+    second large one beside a running first is refused 429 while it is read, a small one still
+    passes, and once the first is answered the large one is served. Before the bound, the front
+    read every body whole, however many came."""
+    settings = {"parse_concurrency": 1, "queue_size": 0}
+    front = Front(FAKE_FRONT_SETTINGS=json.dumps(settings), FAKE_ENGINE_HOLD_S="2")
+    try:
+        front.wait_ready()
+        large = {"pad": "x" * 3_500_000}
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(front.echo, {**large, "hold": True})
+            time.sleep(0.7)  # its body is read and held: the child holds the request for 2 s
+            refused = front.echo(large)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text[:200]
+            assert_error_body(refused.json(), "queue_full", status=429)
+            assert refused.json()["error"]["retryable"] is True
+            assert front.echo({"n": 1}).status_code == 200  # small bodies pass beside
+            assert first.result().status_code == 200
+        assert front.echo(large).status_code == 200  # what the first and the refused one held came back
+    finally:
+        front.output()
 
 
 def test_an_engine_that_cannot_start_ends_the_front_with_its_status() -> None:

@@ -94,8 +94,9 @@ def decode_content(data: bytes, encoding: str | None, limit: int) -> bytes:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing anything (declared or received) above `limit` bytes."""
+async def read_body(request: Request, limit: int, *, hold: Callable[[int], None] | None = None) -> bytes:
+    """The raw body, refusing anything (declared or received) above `limit` bytes. `hold` is told
+    each chunk's size before the chunk is kept (it may refuse by raising)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -105,6 +106,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         received += len(chunk)
         if received > limit:
             raise _too_large(limit)
+        if hold is not None:
+            hold(len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)
 

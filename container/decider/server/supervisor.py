@@ -54,6 +54,7 @@ from starlette.types import Message, Receive, Scope, Send
 from decider.errors import (
     EXIT_ENGINE_CRASHING,
     DeciderError,
+    OverloadedError,
     RequestError,
     UnavailableError,
     internal_error,
@@ -149,6 +150,35 @@ def engine_command(socket_path: str) -> list[str]:
     return [sys.executable, "-m", "decider.cli", "engine", "--socket", socket_path]
 
 
+class HeldBodies:
+    """The bytes of request bodies the front holds at once.
+
+    The front keeps each body whole until its answer (the crash fingerprint, and a resend to the next
+    child), so without a bound a flood of large bodies would fill its memory, while the child reads at
+    most `parse_concurrency` bodies and lets `queue_size` more wait in TCP buffers. The bound is the
+    same number of bodies at the body cap, counted in bytes: small bodies pass however many run, and a
+    body that would pass the bound is refused while it is read (429 `queue_full`, retryable), what it
+    had taken given back at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.limit:
+            raise OverloadedError(
+                f"the front already holds {self.held} bytes of request bodies, its bound "
+                f"({self.limit}: DECIDER_PARSE_CONCURRENCY + DECIDER_QUEUE_SIZE bodies at the body cap); "
+                "retry shortly",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        self.held += size
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
+
+
 class Supervisor:
     """The front's ASGI app and the child's keeper."""
 
@@ -162,6 +192,7 @@ class Supervisor:
         self.settings = settings
         self._command = command
         self._body_cap = payload_limit(settings)
+        self.bodies = HeldBodies((settings.parse_concurrency + settings.queue_size) * self._body_cap)
         self._on_exit = on_exit
         self._dir = tempfile.mkdtemp(prefix="decider-engine-")
         self.socket_path = str(Path(self._dir) / "engine.sock")
@@ -361,10 +392,31 @@ class Supervisor:
     async def _relay(
         self, scope: Scope, receive: Receive, send: Send, request_id: str, arrived: float
     ) -> None:
+        held = 0
+
+        def hold(size: int) -> None:
+            nonlocal held
+            self.bodies.take(size)
+            held += size
+
+        try:
+            await self._relay_held(scope, receive, send, request_id, arrived, hold)
+        finally:
+            self.bodies.give_back(held)
+
+    async def _relay_held(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        request_id: str,
+        arrived: float,
+        hold: Callable[[int], None],
+    ) -> None:
         path: str = scope["path"]
         try:
             # the largest body any route takes: what the front may hold; the child applies each route's own
-            body = await read_body(Request(scope, receive), self._body_cap)
+            body = await read_body(Request(scope, receive), self._body_cap, hold=hold)
             if self.ledger.is_refused(path, body):
                 self.refusals.inc()
                 raise RequestError(
