@@ -328,3 +328,30 @@ def test_the_schema_fuzz_sends_an_outlier_again_and_keeps_the_median(monkeypatch
     assert beside == {"slow": [], "fast": [], None: []}  # the slow one three times, the fast one once
     assert counts["decision_beside_max_ratio"] == 1.5 and counts["decision_beside_max_schema"] == "fast"
     assert counts["decision_beside_first_max_ratio"] == 5.0 and counts["decision_beside_retried"] == 1
+
+
+def test_the_schema_fuzz_tells_best_effort_s_price_from_a_bug() -> None:
+    """Best effort leaves out what llguidance does not enforce (`if`/`then`, `uniqueItems`, …) and
+    takes `oneOf` as `anyOf`: an answer that breaks only those is the documented price, one that
+    breaks what was enforced is a bug. Names of properties are not keywords."""
+    from decider_dev.fuzz.schema_corpus import enforced_schema, validates
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "if": {"type": "string"},  # a property called "if" stays
+            "mode": {"type": "string"},
+            "tags": {"type": "array", "uniqueItems": True, "items": {"oneOf": [{"type": "string"}, {}]}},
+        },
+        "required": ["mode"],
+        "if": {"properties": {"mode": {"const": "wpa"}}},
+        "then": {"required": ["key"]},
+    }
+    enforced = enforced_schema(schema)
+    assert "if" not in enforced and "then" not in enforced and "if" in enforced["properties"]
+    assert enforced["properties"]["tags"] == {"type": "array", "items": {"anyOf": [{"type": "string"}, {}]}}
+    price = '{"mode": "wpa", "tags": ["a", "a"]}'  # breaks then/required, uniqueItems and oneOf only
+    assert validates(schema, price) is False and validates(enforced, price) is True
+    bug = '{"tags": []}'  # breaks `required`, which best effort enforces
+    assert validates(schema, bug) is False and validates(enforced, bug) is False
+    assert validates(enforced, '{"mode": "x", "if": 3}') is False  # the property "if" is still checked
