@@ -93,9 +93,8 @@ class Outcome:
     code: str = ""
     finish: str = ""
     valid: bool | None = None  # on `stop`: whether the content validates (None: could not be checked)
-    enforced_valid: bool | None = (
-        None  # when not valid: whether it validates as best effort enforces the schema
-    )
+    # when not valid: whether it validates as best effort enforces the schema (`enforced_schema`)
+    enforced_valid: bool | None = None
     message: str = ""
 
 
@@ -306,8 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             codes[f"{item.status} {item.code or item.finish}"] += 1
             if item.status != 200 or item.valid is False:
-                note = " (invalid; valid as best effort enforces it)" if item.enforced_valid else ""
-                note = note or (" (INVALID)" if item.valid is False else "")
+                within = (
+                    " (invalid; valid as best effort enforces it)" if item.enforced_valid else " (INVALID)"
+                )
+                note = within if item.valid is False else ""
                 print(f"  {item.name}: {item.status} {item.code or item.finish}{note} {item.message[:120]}")
         print("answers by status and code / finish reason:", dict(sorted(codes.items())))
         assert report is not None
