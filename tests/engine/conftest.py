@@ -1,4 +1,5 @@
-"""Fixtures of the engine tests: the tiny random-weight Qwen3.5 GGUF, written once per session."""
+"""Fixtures of the engine tests: tiny random-weight GGUFs (Qwen3.5, and SmolLM2's attention-only
+architecture), each written once per session."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from decider_dev.llama_gguf import write_llama
 from decider_dev.qwen35_gguf import write_qwen35
 
 
@@ -14,3 +16,10 @@ def qwen35_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) ->
     """The production architecture (qwen35: recurrent and attention layers), tiny
     (tools/dev/qwen35_gguf.py)."""
     return write_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35-Q4_1.gguf", smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """SmolLM2's architecture (attention only), tiny and random (tools/dev/llama_gguf.py): for claims
+    that hold bit for bit or count tokens and cells, at a fraction of SmolLM2's cost."""
+    return write_llama(tmp_path_factory.mktemp("llama") / "tiny-llama-Q4_1.gguf", smollm2_path)

@@ -69,16 +69,16 @@ def test_labels_are_verified_with_a_clean_boundary(engine):
     assert any(len(label.tokens) > 1 for label in table.double)  # so these codes need the chain rule
 
 
-def _two_letter_table(engine):
-    """The model's labels with single-token ones capped at 64: options beyond use two-letter codes of
-    one or two tokens (a tokenizer with fewer single-token pairs gets this on its own)."""
+def _two_letter_table(engine, single_limit: int = 64):
+    """The model's labels with single-token ones capped at `single_limit`: options beyond use
+    two-letter codes of one or two tokens (a tokenizer with fewer single-token pairs gets this on its own)."""
     runtime = engine.runtime
     return build_label_table(
         engine.planner.builder,
         lambda text: runtime.tokenize(text, special=False),
         runtime.piece,
         255,
-        single_limit=64,
+        single_limit=single_limit,
     )
 
 
@@ -172,7 +172,7 @@ def test_answers_do_not_depend_on_the_mode_neighbours_or_concurrent_requests(
     engine = invariant_engine
     cases = sorted(jevbench_cases[:12], key=lambda case: len(json.dumps(case["state"])))[:2]  # short states
     bodies = [
-        {"state": case["state"], "questions": dict(list(case["questions"].items())[:3])} for case in cases
+        {"state": case["state"], "questions": dict(list(case["questions"].items())[:2])} for case in cases
     ]
     shared = [distributions(decide(engine, body)) for body in bodies]
     for body, expected in zip(bodies, shared, strict=True):
@@ -238,14 +238,16 @@ def test_multi_token_labels_score_their_exact_sequence_probability(invariant_eng
     """Recompute two labels' log-probabilities by hand: the prompt, then each label token in turn,
     full-vocabulary log-softmax at every position (chain rule), in a fresh sequence."""
     engine = invariant_engine  # the hand computation decodes other batch shapes: same bits needed
-    table = _two_letter_table(engine)
-    answer = _decide_with(engine, table, {**_choice(70), "extensions": True}).answers["pick"]
+    table = _two_letter_table(engine, single_limit=4)  # so that a short question shows two-letter codes
+    two_tokens = next(i for i, label in enumerate(table.double) if len(label.tokens) == 2)
+    count = max(two_tokens + 1, 5)  # the fewest options whose codes include a two-token one
+    answer = _decide_with(engine, table, {**_choice(count), "extensions": True}).answers["pick"]
     logprobs = answer.extensions["option_logprobs"]
-    labels = table.for_count(70)
+    labels = table.for_count(count)
+    assert labels[two_tokens] is table.double[two_tokens]
     options = [(label.text, str(i)) for i, label in enumerate(labels)]
     _, tokens = engine.render_prompt("Evidence.", "Pick.", options)
     runtime = engine.runtime
-    two_tokens = next(i for i, label in enumerate(labels) if len(label.tokens) == 2)
     for index in (two_tokens,):  # a two-token code (single-token labels: the other readout tests)
         label = labels[index]
         seq, total, position = 1, 0.0, len(tokens)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,17 +117,7 @@ def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Hybr
     for key, (vtype, value, sub_type) in tokenizer.items():
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
 
-    def matrix(name: str, ne0: int, ne1: int, scale: float = 0.05) -> None:
-        rows = ne1 if s.distinct_rows is None else min(ne1, s.distinct_rows)
-        data = rng.normal(0.0, scale, size=(rows, ne0)).astype(np.float32)
-        quantized = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1)
-        if rows < ne1:
-            quantized = np.tile(quantized, (-(-ne1 // rows), 1))[:ne1]
-        writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
-
-    def vector(name: str, values: np.ndarray) -> None:
-        writer.add_tensor(name, values.astype(np.float32))
-
+    matrix, vector = random_tensors(writer, rng, s.distinct_rows)
     ones = np.ones
     matrix("token_embd.weight", s.n_embd, n_vocab, scale=0.15)
     vector("output_norm.weight", ones(s.n_embd))
@@ -160,11 +151,36 @@ def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Hybr
         matrix(f"{blk}.ffn_up.weight", s.n_embd, s.n_ff)
         matrix(f"{blk}.ffn_down.weight", s.n_ff, s.n_embd)
 
+    finish(writer)
+    return path
+
+
+def random_tensors(
+    writer: gguf.GGUFWriter, rng: np.random.Generator, distinct_rows: int | None = None
+) -> tuple[Callable[..., None], Callable[[str, np.ndarray], None]]:
+    """`matrix(name, ne0, ne1, scale=0.05)`: a Q4_1 matrix of normal noise (its rows repeating every
+    `distinct_rows`, if set); `vector(name, values)`: an F32 tensor."""
+
+    def matrix(name: str, ne0: int, ne1: int, scale: float = 0.05) -> None:
+        rows = ne1 if distinct_rows is None else min(ne1, distinct_rows)
+        data = rng.normal(0.0, scale, size=(rows, ne0)).astype(np.float32)
+        quantized = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1)
+        if rows < ne1:
+            quantized = np.tile(quantized, (-(-ne1 // rows), 1))[:ne1]
+        writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+
+    def vector(name: str, values: np.ndarray) -> None:
+        writer.add_tensor(name, values.astype(np.float32))
+
+    return matrix, vector
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    """Write the header, the key-values and the tensors added to `writer`, and close the file."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def write_tokenizer_only(path: Path, source_gguf: Path) -> Path:
@@ -173,10 +189,7 @@ def write_tokenizer_only(path: Path, source_gguf: Path) -> Path:
     writer = gguf.GGUFWriter(path, ARCH)
     for key, (vtype, value, sub_type) in read_tokenizer(source_gguf).items():
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 
