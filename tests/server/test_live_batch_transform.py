@@ -19,7 +19,7 @@ from decider_dev.image.batch_contract import check_batch_transform
 from decider_dev.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
-CASES = 2  # the shortest JevBench-240 cases (8 questions each): the suite must stay fast
+CASES = 2  # the shortest JevBench-240 case (8 questions, ~700 tokens), and a short one of its questions
 TOO_MANY = dict.fromkeys(map(str, range(300)))  # Jev allows 2-255 options
 MALFORMED: list[dict[str, Any]] = [
     {"id": "bad-no-questions", "state": "Where is my parcel?"},
@@ -35,10 +35,10 @@ MALFORMED: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def records(jevbench_cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    shortest = sorted(jevbench_cases, key=lambda case: (len(case["questions"]), len(json.dumps(case))))[
-        :CASES
-    ]
-    return [shortest[0], MALFORMED[0], MALFORMED[1], shortest[1], MALFORMED[2], MALFORMED[3]]
+    shortest = min(jevbench_cases, key=lambda case: (len(case["questions"]), len(json.dumps(case))))
+    key, question = next(iter(shortest["questions"].items()))
+    short = {"id": "short", "state": "The parcel arrived broken.", "questions": {key: question}}
+    return [shortest, MALFORMED[0], MALFORMED[1], short, MALFORMED[2], MALFORMED[3]]
 
 
 def _jsonl(records: list[Any]) -> bytes:

@@ -12,7 +12,7 @@ from decider_dev.fuzz.schema_corpus import Outcome, Report, corpus, run, spread
 from decider_dev.local_server import LocalServer
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
-SAMPLE = 16
+SAMPLE = 8  # each chat runs beside a decision of its own: ~1.3 s of a core apiece here
 REFUSALS = {"invalid_response_format", "response_format_too_complex", "response_format_unsatisfiable"}
 
 
@@ -22,7 +22,8 @@ def test_the_corpus_is_there() -> None:
 
 
 def test_a_sample_of_real_world_schemas_is_answered_or_refused_by_name(live_server: LocalServer) -> None:
-    items = list(run(live_server.base_url, spread(corpus(), SAMPLE), max_tokens=24))
+    # Times are not asserted here (two test processes share the cores): no schema is sent again.
+    items = list(run(live_server.base_url, spread(corpus(), SAMPLE), max_tokens=24, outlier_tries=1))
     report = items.pop()
     assert isinstance(report, Report) and len(items) == SAMPLE
     outcomes = [item for item in items if isinstance(item, Outcome)]

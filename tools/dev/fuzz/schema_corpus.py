@@ -240,9 +240,15 @@ def restarts(client: httpx.Client, base_url: str) -> float:
 
 
 def run(
-    base_url: str, schemas: list[tuple[str, dict[str, Any]]], max_tokens: int, strict: bool = False
+    base_url: str,
+    schemas: list[tuple[str, dict[str, Any]]],
+    max_tokens: int,
+    strict: bool = False,
+    *,
+    outlier_tries: int = OUTLIER_TRIES,
 ) -> Iterator[Outcome | Report]:
-    """Send each schema beside a decision; yield each outcome, then the report."""
+    """Send each schema beside a decision; yield each outcome, then the report. `outlier_tries` 1:
+    no schema is sent again (for callers that read the outcomes, not the times)."""
     report = Report()
     with httpx.Client() as client, httpx.Client() as beside:
         decide(client, base_url)  # warm
@@ -253,10 +259,10 @@ def run(
         for name, schema in schemas:
             outcome, seconds = _beside(client, beside, base_url, (name, schema), max_tokens, strict)
             report.first_tries.append(seconds)
-            if seconds > OUTLIER_RATIO * report.alone:
+            if outlier_tries > 1 and seconds > OUTLIER_RATIO * report.alone:
                 again = (
                     _beside(client, beside, base_url, (name, schema), max_tokens, strict)[1]
-                    for _ in range(OUTLIER_TRIES - 1)
+                    for _ in range(outlier_tries - 1)
                 )
                 seconds = statistics.median([seconds, *again])
                 report.retried += 1
