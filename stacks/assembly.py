@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ from cdk_nag import AwsSolutionsChecks
 from decider_stacks.config import AppConfig, load_config
 from decider_stacks.endpoint_stack import EndpointStack
 from decider_stacks.image_stack import ImageStack
+from decider_stacks.nag import unvalidated
 
 
 @dataclass
@@ -41,32 +43,33 @@ def build_app(app: App | None = None, *, nag: bool = True) -> DeciderApp:
         Environment(account=config.account, region=config.region) if config.account or config.region else None
     )
     description = "decider: typed decisions and chat from one GGUF on SageMaker"
-    image = ImageStack(
-        app,
-        "ImageStack",
-        config=config,
-        endpoint_stacks={"CpuStack": config.cpu, "GpuStack": config.gpu},
-        env=env,
-        description=f"{description} (shared build)",
-    )
-    cpu = EndpointStack(
-        app,
-        "CpuStack",
-        config=config,
-        variant=config.cpu,
-        image_stack=image,
-        env=env,
-        description=f"{description} (CPU endpoint)",
-    )
-    gpu = EndpointStack(
-        app,
-        "GpuStack",
-        config=config,
-        variant=config.gpu,
-        image_stack=image,
-        env=env,
-        description=f"{description} (GPU endpoint)",
-    )
+    with nullcontext() if nag else unvalidated():
+        image = ImageStack(
+            app,
+            "ImageStack",
+            config=config,
+            endpoint_stacks={"CpuStack": config.cpu, "GpuStack": config.gpu},
+            env=env,
+            description=f"{description} (shared build)",
+        )
+        cpu = EndpointStack(
+            app,
+            "CpuStack",
+            config=config,
+            variant=config.cpu,
+            image_stack=image,
+            env=env,
+            description=f"{description} (CPU endpoint)",
+        )
+        gpu = EndpointStack(
+            app,
+            "GpuStack",
+            config=config,
+            variant=config.gpu,
+            image_stack=image,
+            env=env,
+            description=f"{description} (GPU endpoint)",
+        )
     if nag:  # off only where templates are compared, never validated (the update walk test)
         Validations.of(app).add_plugins(AwsSolutionsChecks(app, verbose=True))
     return DeciderApp(app=app, config=config, image=image, cpu=cpu, gpu=gpu)

@@ -66,3 +66,15 @@ def run_synth(outdir: Path, context: dict[str, Any] | None = None, *, nag: bool 
         raise AssertionError(f"synth failed: {error}\n{detail}") from None
     templates = {stack.stack_name: stack.template for stack in assembly.stacks}
     return Synth(outdir=outdir, templates=templates, decider=decider)
+
+
+def acknowledgements(outdir: Path) -> list[tuple[str, str, str]]:
+    """(construct path, rule id, reason) for every acknowledgement recorded in the assembly."""
+    found = []
+    for metadata in sorted(outdir.glob("*.metadata.json")):
+        for path, entries in json.loads(metadata.read_text()).items():
+            for entry in entries:
+                if entry["type"] == "aws:cdk:acknowledged-rules":
+                    for rule, reason in entry["data"].items():
+                        found.append((path, rule.split("::", 1)[1], reason))
+    return found

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
-from stack_helpers import STACKS
+from stack_helpers import STACKS, acknowledgements
 
 pytestmark = pytest.mark.cdk
 
@@ -30,18 +29,6 @@ EXPECTED_ACKNOWLEDGEMENTS = {
     ("/ImageStack/BuildRunner/IsComplete", "AwsSolutions-IAM5"),
     ("/ImageStack/BuildRunner/Provider", "AwsSolutions-IAM5"),
 }
-
-
-def acknowledgements(outdir: Path) -> list[tuple[str, str, str]]:
-    """(construct path, rule id, reason) for every acknowledgement recorded in the assembly."""
-    found = []
-    for metadata in sorted(outdir.glob("*.metadata.json")):
-        for path, entries in json.loads(metadata.read_text()).items():
-            for entry in entries:
-                if entry["type"] == "aws:cdk:acknowledged-rules":
-                    for rule, reason in entry["data"].items():
-                        found.append((path, rule.split("::", 1)[1], reason))
-    return found
 
 
 def test_synth_passes_cdk_nag_with_no_unacknowledged_finding(synth):

@@ -21,7 +21,7 @@ import time
 from itertools import zip_longest
 
 import pytest
-from stack_helpers import run_synth
+from stack_helpers import acknowledgements, run_synth
 from update_walk import ENVIRONMENT_KEYS, changed_context, config_keys, update_violations
 
 from decider_stacks.config import load_config
@@ -74,6 +74,15 @@ def test_the_rules_flag_an_endpoint_change_under_the_same_config():
     assert (
         "DeploymentConfig" in problems[0] and "ComputeType" in problems[1] and "ServiceToken" in problems[2]
     )
+
+
+def test_the_walk_s_unvalidated_synths_give_the_validated_templates(synth, tmp_path):
+    """The walk synthesizes without cdk-nag, and so without recording acknowledgements
+    (decider_stacks.nag.unvalidated): templates byte for byte those of the validated app."""
+    unvalidated = run_synth(tmp_path / "unvalidated", nag=False)
+    assert acknowledgements(synth.outdir) and not acknowledgements(unvalidated.outdir)
+    for stack in synth.templates:
+        assert unvalidated.raw(stack) == synth.raw(stack), stack
 
 
 def test_every_single_setting_change_updates_cleanly(synth, tmp_path):
