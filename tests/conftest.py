@@ -39,6 +39,20 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("DECIDER_N_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
+HEAVY_MARKERS = ("server", "model", "cdk")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with a test that starts a server, loads a model or synthesizes the app run first.
+
+    Under `--dist loadfile` a worker takes whole files in this order (pyproject's addopts turn
+    pytest-xdist's own order, by test count, off: it put the long files of a few tests last, where
+    one ran alone while the other worker idled). The quick files then fill the gaps at the end. The
+    sort is stable: files keep their collection order within each group, and a file stays whole."""
+    heavy = {item.path for item in items if any(item.get_closest_marker(name) for name in HEAVY_MARKERS)}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from decider.engine.model.bundled import smollm2_path as locate

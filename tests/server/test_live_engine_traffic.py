@@ -20,6 +20,7 @@ from server_helpers import DECISION, LOCAL_ONLY, assert_error_body
 
 from decider_dev.local_server import LocalServer, run_local_server
 
+pytestmark = [pytest.mark.server, pytest.mark.model]
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 IDLE_CPU_SECONDS = 0.25  # of one second: an idle server uses a few hundredths
 STATES = [
