@@ -12,7 +12,7 @@ import pytest
 
 from decider_cli.evaluate.cli import main
 from decider_cli.evaluate.results import load_run
-from decider_dev.local_server import run_local_server
+from decider_dev.local_server import WITHOUT_LOAD_PROBE, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 
@@ -46,7 +46,7 @@ def small_subset(cases_path, gold_path, tmp_path):
 def test_cli_against_the_real_local_server(jevbench_cases, jevbench_gold, tmp_path, capsys):
     cases, gold = small_subset(jevbench_cases, jevbench_gold, tmp_path)
     out = tmp_path / "run"
-    with run_local_server() as server:
+    with run_local_server(WITHOUT_LOAD_PROBE) as server:
         code = main(
             [
                 "run",

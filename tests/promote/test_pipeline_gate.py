@@ -28,7 +28,7 @@ from decider_cli.evaluate.check import load_run_or_baseline
 from decider_cli.evaluate.cli import main as decide_eval
 from decider_cli.evaluate.results import load_run
 from decider_cli.proxy.standin import RunningStandin, run_standin
-from decider_dev.local_server import LocalServer, run_local_server
+from decider_dev.local_server import WITHOUT_LOAD_PROBE, LocalServer, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def apply_block() -> str:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LocalServer]:
-    with run_local_server({"DECIDER_N_THREADS": "1"}) as running:
+    with run_local_server({"DECIDER_N_THREADS": "1", **WITHOUT_LOAD_PROBE}) as running:
         yield running
 
 

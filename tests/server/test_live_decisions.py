@@ -14,7 +14,7 @@ from openai.types import Decision
 from server_helpers import DECISION, assert_error_body
 from typesafe_sdk import Noul, TypeSafeClient
 
-from decider_dev.local_server import LocalServer, remote_server, run_local_server
+from decider_dev.local_server import WITHOUT_LOAD_PROBE, LocalServer, remote_server, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
@@ -211,7 +211,9 @@ def test_models_reports_the_marker_list(live_server: LocalServer) -> None:
 def keyed_server() -> Iterator[LocalServer]:
     if remote_server() is not None:
         pytest.skip("needs a server with DECIDER_API_KEY set of its own")
-    with run_local_server({"DECIDER_N_THREADS": "1", "DECIDER_API_KEY": API_KEY}) as server:
+    with run_local_server(
+        {"DECIDER_N_THREADS": "1", "DECIDER_API_KEY": API_KEY, **WITHOUT_LOAD_PROBE}
+    ) as server:
         yield server
 
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from server_helpers import DECISION, LOCAL_ONLY, assert_error_body
 
-from decider_dev.local_server import LocalServer, run_local_server
+from decider_dev.local_server import WITHOUT_LOAD_PROBE, LocalServer, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
@@ -159,7 +159,9 @@ def _assert_the_model_stopped(server: LocalServer) -> None:
 @LOCAL_ONLY
 def test_a_deadline_stops_the_model_within_about_a_second() -> None:
     # A fresh server has no decode rate yet, so nothing is refused up front: the work starts.
-    with run_local_server({"DECIDER_N_THREADS": "1", "DECIDER_DEADLINE_SECONDS": "2"}) as server:
+    with run_local_server(
+        {"DECIDER_N_THREADS": "1", "DECIDER_DEADLINE_SECONDS": "2", **WITHOUT_LOAD_PROBE}
+    ) as server:
         started = time.perf_counter()
         response = httpx.post(f"{server.base_url}/v1/systemone", json=_slow_decision(), timeout=60)
         elapsed = time.perf_counter() - started
@@ -171,7 +173,9 @@ def test_a_deadline_stops_the_model_within_about_a_second() -> None:
 
 @LOCAL_ONLY
 def test_a_client_that_leaves_stops_the_model_within_about_a_second() -> None:
-    with run_local_server({"DECIDER_N_THREADS": "1"}) as server:  # a 55 s deadline: the work is admitted
+    with run_local_server(
+        {"DECIDER_N_THREADS": "1", **WITHOUT_LOAD_PROBE}
+    ) as server:  # a 55 s deadline: the work is admitted
         with contextlib.suppress(httpx.TimeoutException):
             httpx.post(f"{server.base_url}/v1/systemone", json=_slow_decision(), timeout=0.7)  # it hangs up
         _assert_the_model_stopped(server)
@@ -179,7 +183,7 @@ def test_a_client_that_leaves_stops_the_model_within_about_a_second() -> None:
 
 @LOCAL_ONLY
 def test_a_large_body_does_not_hold_up_ping() -> None:
-    with run_local_server({"DECIDER_N_THREADS": "1"}) as server:
+    with run_local_server({"DECIDER_N_THREADS": "1", **WITHOUT_LOAD_PROBE}) as server:
         text = json.dumps({"state": {"rows": ["x" * 90] * 60_000}, "questions": DECISION["questions"]})
         assert len(text) > 5_000_000
         pings: list[tuple[float, float]] = []  # (start, seconds)

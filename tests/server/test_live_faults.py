@@ -19,6 +19,7 @@ from server_helpers import CHAT, DECISION, LOCAL_ONLY, assert_error_body
 
 from decider.errors import EXIT_LOAD_CRASHED
 from decider_dev.local_server import (
+    WITHOUT_LOAD_PROBE,
     LocalServer,
     RemoteServer,
     remote_server,
@@ -101,7 +102,12 @@ def test_ping_stays_fast_while_inference_saturates_the_cpu(live_server: LocalSer
 def tight_server() -> Iterator[LocalServer]:
     if remote_server() is not None:
         pytest.skip("needs a server with a 1-request queue and a 2 s deadline of its own")
-    env = {"DECIDER_N_THREADS": "1", "DECIDER_QUEUE_SIZE": "1", "DECIDER_DEADLINE_SECONDS": "2"}
+    env = {
+        "DECIDER_N_THREADS": "1",
+        "DECIDER_QUEUE_SIZE": "1",
+        "DECIDER_DEADLINE_SECONDS": "2",
+        **WITHOUT_LOAD_PROBE,
+    }
     with run_local_server(env) as server:
         yield server
 
@@ -254,7 +260,9 @@ def test_serve_turns_faulthandler_on_so_a_native_crash_leaves_a_python_stack(tmp
 
 @LOCAL_ONLY
 def test_sigterm_drains_in_flight_requests_then_exits_zero() -> None:
-    server = start_local_server({"DECIDER_N_THREADS": "1", "DECIDER_SHUTDOWN_GRACE_SECONDS": "30"})
+    server = start_local_server(
+        {"DECIDER_N_THREADS": "1", "DECIDER_SHUTDOWN_GRACE_SECONDS": "30", **WITHOUT_LOAD_PROBE}
+    )
     try:
         server.wait_ready(120)
         body = {**CHAT, "max_tokens": 48, "messages": [{"role": "user", "content": "Count to fifty."}]}
@@ -282,7 +290,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero() -> None:
 def test_requests_cut_by_the_shutdown_grace_get_503_shutting_down() -> None:
     # uvicorn cancels what still runs when the grace period ends: the caller gets the error body
     # (503 shutting_down, retryable), not a bare text 500, and the server logs no traceback.
-    server = start_local_server({"DECIDER_N_THREADS": "1", "DECIDER_SHUTDOWN_GRACE_SECONDS": "1"})
+    server = start_local_server(
+        {"DECIDER_N_THREADS": "1", "DECIDER_SHUTDOWN_GRACE_SECONDS": "1", **WITHOUT_LOAD_PROBE}
+    )
     try:
         server.wait_ready(120)
         with ThreadPoolExecutor(max_workers=2) as pool:

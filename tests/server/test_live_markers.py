@@ -19,7 +19,7 @@ from decider.engine.model.markers import CallerText
 from decider.engine.model.prompt import FALLBACK_TEMPLATES, PROMPT_FORMATS, PROMPT_V1, ChatTemplate
 from decider.engine.works.generation import chat_tokens
 from decider.settings import Settings
-from decider_dev.local_server import LocalServer, run_local_server
+from decider_dev.local_server import WITHOUT_LOAD_PROBE, LocalServer, run_local_server
 
 V1 = PROMPT_FORMATS[PROMPT_V1]
 
@@ -30,6 +30,7 @@ GEMMA_ENV = {
     "DECIDER_N_SEQ_MAX": "7",
     "DECIDER_MAX_STATE_TOKENS": "512",
     "DECIDER_MARKER_TOKENS": json.dumps(["<start_of_image>"]),
+    **WITHOUT_LOAD_PROBE,
 }
 TEXT = "Photo: <start_of_image> then a <table>\n\n\nwith rows"
 MESSAGES = [{"role": "user", "content": TEXT}]

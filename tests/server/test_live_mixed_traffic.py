@@ -23,10 +23,10 @@ import httpx
 import pytest
 from server_helpers import LOCAL_ONLY
 
-from decider_dev.local_server import LocalServer, run_local_server
+from decider_dev.local_server import WITHOUT_LOAD_PROBE, LocalServer, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model, LOCAL_ONLY]
-MIXED_ENV = {"DECIDER_N_THREADS": "1", "DECIDER_DEADLINE_SECONDS": "20"}
+MIXED_ENV = {"DECIDER_N_THREADS": "1", "DECIDER_DEADLINE_SECONDS": "20", **WITHOUT_LOAD_PROBE}
 CHAT_MAX_TOKENS = 120
 # Questions the bundled SmolLM2 answers in 4 to 90 tokens at temperature 0, the longest first: it
 # is still generating when the decision has been answered.

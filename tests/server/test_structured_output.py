@@ -21,7 +21,7 @@ import pytest
 from server_helpers import assert_error_body
 
 from decider_dev.bench.constraint_engines import anyof_ref_chain
-from decider_dev.local_server import LocalServer, remote_server, run_local_server
+from decider_dev.local_server import WITHOUT_LOAD_PROBE, LocalServer, remote_server, run_local_server
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 RECORDED = json.loads((Path(__file__).parent / "data" / "greedy_structured_output.json").read_text())
@@ -209,7 +209,9 @@ def test_a_bound_hit_mid_answer_ends_that_chat_typed_plain_and_streamed() -> Non
     tokens, and the server goes on."""
     if remote_server() is not None:
         pytest.skip("needs a server with settings of its own")
-    with run_local_server({"DECIDER_N_THREADS": "1", "DECIDER_MAX_CONSTRAINT_STEP_ITEMS": "100"}) as server:
+    with run_local_server(
+        {"DECIDER_N_THREADS": "1", "DECIDER_MAX_CONSTRAINT_STEP_ITEMS": "100", **WITHOUT_LOAD_PROBE}
+    ) as server:
         response = _chat(server, WIDE)
         assert response.status_code == 422, response.text
         assert_error_body(response.json(), "response_format_too_complex", status=422)

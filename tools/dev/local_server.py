@@ -33,6 +33,10 @@ import httpx
 DEFAULT_HOST = "127.0.0.1"
 STOP_TIMEOUT_SECONDS = 60.0
 BASE_URL_ENV = "DECIDER_TEST_BASE_URL"
+# For a server started to test one behaviour other than its start (a deadline, a key, a marker):
+# without the load probe, a child process that loads the model once more before the server does
+# (~1 s of CPU per start). Start-up tests, and the shared servers of the test session, keep it.
+WITHOUT_LOAD_PROBE = {"DECIDER_LOAD_PROBE": "false"}
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
