@@ -310,11 +310,12 @@ def test_the_multi_turn_line_sets_the_last_turn_s_first_token_against_the_first(
 
 
 def test_the_schema_fuzz_sends_an_outlier_again_and_keeps_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One slow decision beside a schema's chat is sent twice more: the median stands for it, and the
-    first try is still reported."""
+    """One slow decision beside a schema's chat is sent four more times: the median of the five stands
+    for it (two slow tries of five are noise), and the first try is still reported. With
+    `outlier_tries=1` nothing is sent again."""
     from decider_dev.fuzz import schema_corpus
 
-    beside = {"slow": [5.0, 1.1, 1.3], "fast": [1.5], None: [1.0, 1.0, 1.0]}
+    beside = {"slow": [5.0, 1.1, 4.0, 1.3, 1.2], "fast": [1.5], None: [1.0, 1.0, 1.0]}
 
     def fake_beside(client, other, url, named, max_tokens, strict):
         name = named[0] if named else None
@@ -325,9 +326,13 @@ def test_the_schema_fuzz_sends_an_outlier_again_and_keeps_the_median(monkeypatch
     monkeypatch.setattr(schema_corpus, "restarts", lambda client, url: 0.0)
     items = list(schema_corpus.run("http://127.0.0.1:1", [("slow", {}), ("fast", {})], 8))
     counts = items[-1].counts()
-    assert beside == {"slow": [], "fast": [], None: []}  # the slow one three times, the fast one once
+    assert beside == {"slow": [], "fast": [], None: []}  # the slow one five times, the fast one once
     assert counts["decision_beside_max_ratio"] == 1.5 and counts["decision_beside_max_schema"] == "fast"
     assert counts["decision_beside_first_max_ratio"] == 5.0 and counts["decision_beside_retried"] == 1
+
+    beside.update({"slow": [5.0], "fast": [1.5], None: [1.0, 1.0, 1.0]})
+    items = list(schema_corpus.run("http://127.0.0.1:1", [("slow", {}), ("fast", {})], 8, outlier_tries=1))
+    assert beside == {"slow": [], "fast": [], None: []} and items[-1].counts()["decision_beside_retried"] == 0
 
 
 def test_the_schema_fuzz_tells_best_effort_s_price_from_a_bug() -> None:

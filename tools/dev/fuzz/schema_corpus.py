@@ -23,8 +23,9 @@ the others are the documented price of best effort (with `--strict`, every inval
 `coverage` counts a 200 that ended with `length`, or with `stop` and output that validated;
 `decision_beside_plain_chat_p50_ratio` is the same decision beside the same chat without a
 response_format (what sharing the engine costs before any constraint). A schema whose decision
-took more than OUTLIER_RATIO times its time alone is sent twice more, and its time is the median
-of the three: one slow sample on a shared machine is noise, the same schema slow three times is
+took more than OUTLIER_RATIO times its time alone is sent four more times, and its time is the
+median of the five: one or two slow samples on a shared machine are noise (a worst schema at 2.3x as
+the median of three measured 1.2x when sent again), the same schema slow three times in five is
 not (`decision_beside_retried` counts them; `decision_beside_first_max_ratio` is the worst first try).
 """
 
@@ -50,7 +51,7 @@ from decider_dev.local_server import run_local_server
 MAX_SCHEMA_BYTES = 65536  # DECIDER_MAX_SCHEMA_BYTES' default: larger ones are refused by design
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
 OUTLIER_RATIO = 2.0  # issue 31 §3: a decision beside any schema's chat answers within 2x its time alone
-OUTLIER_TRIES = 3
+OUTLIER_TRIES = 5
 _orders = iter(range(1000, 10**9))
 
 
