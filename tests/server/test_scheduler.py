@@ -8,9 +8,11 @@ is forced with gates, never left to sleeps.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -659,3 +661,31 @@ def test_a_chat_sent_after_a_large_batch_gets_its_first_token_within_a_few_steps
     assert waited < batch_seconds / 4, (waited, batch_seconds)
     assert batch_work.started_units == 16
     scheduler.close()
+
+
+def test_a_failed_job_s_error_is_read_where_asyncio_sees_it() -> None:
+    """The handler awaits an asyncio copy of the job's future: a job that fails (a deadline while
+    working, an engine error) must leave asyncio nothing to log as "Future exception was never
+    retrieved" when the copy is collected (each such 504 logged it, with a traceback)."""
+    scheduler = Scheduler(queue_size=8, deadline_seconds=5.0, metrics=ServerMetrics())
+    job = Job("decision", "failing", time.monotonic() + 5.0, time.monotonic())
+    logged: list[str] = []
+
+    async def wait_for_the_failure() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: logged.append(context["message"]))
+        future: Future[Any] = Future()
+        loop.call_later(0.01, future.set_exception, RuntimeError("the work failed"))
+        try:
+            await scheduler.wait(job, future)
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the job's error was not raised")
+        del future  # its error's traceback holds the frame that held the asyncio copy
+        gc.collect()  # the copy goes here: an error unread in it is logged now
+        await asyncio.sleep(0)
+
+    asyncio.run(wait_for_the_failure())
+    scheduler.close()
+    assert logged == []

@@ -222,7 +222,11 @@ class Scheduler:
             _ignore_outcome(waiter)
             if not (future.done() and future.exception() is None):
                 raise deadline_error(job, self.admission.deadline_seconds)
-        return future.result()
+            return future.result()
+        # The outcome as the asyncio copy holds it: reading an error there is what tells asyncio it
+        # was seen (read from `future` instead, every failed job logged "Future exception was never
+        # retrieved" with a traceback when the copy was collected).
+        return waiter.result()
 
     def withdraw(self, job: Job) -> None:
         """Forget an admitted job that will never be submitted (its request failed before)."""
