@@ -51,24 +51,16 @@ def test_the_tools_run_beside_other_packages_named_tools_and_stacks(tmp_path: Pa
     # The installed wrappers themselves, one after the other in one interpreter (a process each cost
     # ~1.5 s of imports apiece): a failed import is not cached, so each script meets the shadows.
     scripts = [str(bin_dir / script) for script in SCRIPTS]
-    done = subprocess.run(
-        [sys.executable, "-c", RUN_EACH_WITH_HELP, *scripts],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
+
+    def python(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+        )
+
+    done = python("-c", RUN_EACH_WITH_HELP, *scripts)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("--help: 0") == len(SCRIPTS), done.stderr[-2000:]
-    done = subprocess.run(
-        [sys.executable, "-c", "import decider_stacks.assembly, decider_dev.bench.common"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = python("-c", "import decider_stacks.assembly, decider_dev.bench.common")
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
 
-from decider_dev.qwen35_gguf import finish, random_tensors, read_tokenizer
+from decider_dev.qwen35_gguf import finish, random_tensors, read_tokenizer, start_writer
 
 ARCH = "llama"
 
@@ -50,21 +49,21 @@ def write_llama(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Llama
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])  # type: ignore[arg-type]
     head_dim = s.n_embd // s.n_head
 
-    writer = gguf.GGUFWriter(path, ARCH)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(f"llama-random-{s.n_layer}x{s.n_embd}")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
-    writer.add_context_length(s.context_length)
-    writer.add_embedding_length(s.n_embd)
-    writer.add_block_count(s.n_layer)
-    writer.add_feed_forward_length(s.n_ff)
-    writer.add_head_count(s.n_head)
-    writer.add_head_count_kv(s.n_head_kv)
+    writer = start_writer(
+        path,
+        ARCH,
+        f"llama-random-{s.n_layer}x{s.n_embd}",
+        tokenizer,
+        context_length=s.context_length,
+        n_embd=s.n_embd,
+        n_layer=s.n_layer,
+        n_ff=s.n_ff,
+        n_head=s.n_head,
+        n_head_kv=s.n_head_kv,
+    )
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(100_000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    for key, (vtype, value, sub_type) in tokenizer.items():
-        writer.add_key_value(key, value, vtype, sub_type=sub_type)
 
     matrix, vector = random_tensors(writer, rng)
     ones = np.ones

@@ -92,16 +92,18 @@ def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Hybr
     tokenizer = _padded(read_tokenizer(tokenizer_gguf), s.n_vocab)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])
 
-    writer = gguf.GGUFWriter(path, ARCH)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(f"qwen35-random-{s.n_layer}x{s.n_embd}")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
-    writer.add_context_length(s.context_length)
-    writer.add_embedding_length(s.n_embd)
-    writer.add_block_count(s.n_layer)
-    writer.add_feed_forward_length(s.n_ff)
-    writer.add_head_count(s.n_head)
-    writer.add_head_count_kv(s.n_head_kv)
+    writer = start_writer(
+        path,
+        ARCH,
+        f"qwen35-random-{s.n_layer}x{s.n_embd}",
+        tokenizer,
+        context_length=s.context_length,
+        n_embd=s.n_embd,
+        n_layer=s.n_layer,
+        n_ff=s.n_ff,
+        n_head=s.n_head,
+        n_head_kv=s.n_head_kv,
+    )
     writer.add_key_length(s.head_dim)
     writer.add_value_length(s.head_dim)
     writer.add_rope_dimension_count(s.rope_dim)
@@ -114,8 +116,6 @@ def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Hybr
     writer.add_ssm_group_count(s.ssm_groups)
     writer.add_ssm_time_step_rank(s.ssm_v_heads)
     writer.add_ssm_inner_size(s.ssm_state * s.ssm_v_heads)
-    for key, (vtype, value, sub_type) in tokenizer.items():
-        writer.add_key_value(key, value, vtype, sub_type=sub_type)
 
     matrix, vector = random_tensors(writer, rng, s.distinct_rows)
     ones = np.ones
@@ -155,6 +155,40 @@ def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Hybr
     return path
 
 
+def start_writer(
+    path: Path,
+    arch: str,
+    name: str,
+    tokenizer: dict[str, Value],
+    *,
+    context_length: int,
+    n_embd: int,
+    n_layer: int,
+    n_ff: int,
+    n_head: int,
+    n_head_kv: int,
+) -> gguf.GGUFWriter:
+    """A writer holding the keys every random model here shares (Q4_1 matrices, the sizes, the
+    tokenizer); the caller adds its architecture's own keys and the tensors, then calls `finish`."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    _add_tokenizer(writer, tokenizer)
+    return writer
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: dict[str, Value]) -> None:
+    for key, (vtype, value, sub_type) in tokenizer.items():
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+
+
 def random_tensors(
     writer: gguf.GGUFWriter, rng: np.random.Generator, distinct_rows: int | None = None
 ) -> tuple[Callable[..., None], Callable[[str, np.ndarray], None]]:
@@ -187,8 +221,7 @@ def write_tokenizer_only(path: Path, source_gguf: Path) -> Path:
     """A GGUF holding only `source_gguf`'s tokenizer keys (no tensors): what `write_qwen35` reads.
     SmolLM2's is about 2 MB, where the whole model is 93 MB."""
     writer = gguf.GGUFWriter(path, ARCH)
-    for key, (vtype, value, sub_type) in read_tokenizer(source_gguf).items():
-        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    _add_tokenizer(writer, read_tokenizer(source_gguf))
     finish(writer)
     return path
 
