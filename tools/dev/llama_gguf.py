@@ -49,18 +49,7 @@ def write_llama(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Llama
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])  # type: ignore[arg-type]
     head_dim = s.n_embd // s.n_head
 
-    writer = start_writer(
-        path,
-        ARCH,
-        f"llama-random-{s.n_layer}x{s.n_embd}",
-        tokenizer,
-        context_length=s.context_length,
-        n_embd=s.n_embd,
-        n_layer=s.n_layer,
-        n_ff=s.n_ff,
-        n_head=s.n_head,
-        n_head_kv=s.n_head_kv,
-    )
+    writer = start_writer(path, ARCH, tokenizer, s)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(100_000.0)
     writer.add_layer_norm_rms_eps(1e-5)

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import gguf
 import numpy as np
@@ -92,18 +93,7 @@ def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Hybr
     tokenizer = _padded(read_tokenizer(tokenizer_gguf), s.n_vocab)
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"][1])
 
-    writer = start_writer(
-        path,
-        ARCH,
-        f"qwen35-random-{s.n_layer}x{s.n_embd}",
-        tokenizer,
-        context_length=s.context_length,
-        n_embd=s.n_embd,
-        n_layer=s.n_layer,
-        n_ff=s.n_ff,
-        n_head=s.n_head,
-        n_head_kv=s.n_head_kv,
-    )
+    writer = start_writer(path, ARCH, tokenizer, s)
     writer.add_key_length(s.head_dim)
     writer.add_value_length(s.head_dim)
     writer.add_rope_dimension_count(s.rope_dim)
@@ -155,31 +145,31 @@ def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Hybr
     return path
 
 
-def start_writer(
-    path: Path,
-    arch: str,
-    name: str,
-    tokenizer: dict[str, Value],
-    *,
-    context_length: int,
-    n_embd: int,
-    n_layer: int,
-    n_ff: int,
-    n_head: int,
-    n_head_kv: int,
-) -> gguf.GGUFWriter:
+class CommonShape(Protocol):
+    """The sizes every architecture here has (LlamaShape and HybridShape alike)."""
+
+    context_length: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+
+
+def start_writer(path: Path, arch: str, tokenizer: dict[str, Value], shape: CommonShape) -> gguf.GGUFWriter:
     """A writer holding the keys every random model here shares (Q4_1 matrices, the sizes, the
     tokenizer); the caller adds its architecture's own keys and the tensors, then calls `finish`."""
+    s = shape
     writer = gguf.GGUFWriter(path, arch)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name)
+    writer.add_name(f"{arch}-random-{s.n_layer}x{s.n_embd}")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
+    writer.add_context_length(s.context_length)
+    writer.add_embedding_length(s.n_embd)
+    writer.add_block_count(s.n_layer)
+    writer.add_feed_forward_length(s.n_ff)
+    writer.add_head_count(s.n_head)
+    writer.add_head_count_kv(s.n_head_kv)
     _add_tokenizer(writer, tokenizer)
     return writer
 
