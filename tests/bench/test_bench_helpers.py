@@ -310,29 +310,35 @@ def test_the_multi_turn_line_sets_the_last_turn_s_first_token_against_the_first(
 
 
 def test_the_schema_fuzz_sends_an_outlier_again_and_keeps_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One slow decision beside a schema's chat is sent four more times: the median of the five stands
-    for it (two slow tries of five are noise), and the first try is still reported. With
-    `outlier_tries=1` nothing is sent again."""
+    """One slow decision beside a schema's chat is sent four more times, each right after the decision
+    alone: the median of the five ratios stands for it (two slow tries of five are noise), and the first
+    try is still reported. A machine that slowed down since the start (the decision alone now takes 2 s,
+    not 1 s) does not count as the schema's cost. With `outlier_tries=1` nothing is sent again."""
     from decider_dev.fuzz import schema_corpus
 
-    beside = {"slow": [5.0, 1.1, 4.0, 1.3, 1.2], "fast": [1.5], None: [1.0, 1.0, 1.0]}
+    beside = {"slow": [5.0, 2.2, 8.0, 4.6, 4.4], "fast": [1.5], None: [1.0, 1.0, 1.0]}
+    alone = [1.0] * 4 + [2.0] * 4  # warm-up and the 3 at the start, then one before each retry
 
     def fake_beside(client, other, url, named, max_tokens, strict):
         name = named[0] if named else None
         return schema_corpus.Outcome(name or "plain", 200, finish="length"), beside[name].pop(0)
 
     monkeypatch.setattr(schema_corpus, "_beside", fake_beside)
-    monkeypatch.setattr(schema_corpus, "decide", lambda client, url: 1.0)
+    monkeypatch.setattr(schema_corpus, "decide", lambda client, url: alone.pop(0))
     monkeypatch.setattr(schema_corpus, "restarts", lambda client, url: 0.0)
     items = list(schema_corpus.run("http://127.0.0.1:1", [("slow", {}), ("fast", {})], 8))
     counts = items[-1].counts()
-    assert beside == {"slow": [], "fast": [], None: []}  # the slow one five times, the fast one once
-    assert counts["decision_beside_max_ratio"] == 1.5 and counts["decision_beside_max_schema"] == "fast"
+    assert beside == {"slow": [], "fast": [], None: []} and alone == []  # the slow one five times, paired
+    # slow: 5.0 / 1.0, then 2.2 / 2, 8.0 / 2, 4.6 / 2, 4.4 / 2: the median is 2.3, not 4.6 / 1
+    assert counts["decision_beside_max_ratio"] == pytest.approx(2.3)
+    assert counts["decision_beside_max_schema"] == "slow"
     assert counts["decision_beside_first_max_ratio"] == 5.0 and counts["decision_beside_retried"] == 1
 
     beside.update({"slow": [5.0], "fast": [1.5], None: [1.0, 1.0, 1.0]})
+    alone.extend([1.0] * 4)
     items = list(schema_corpus.run("http://127.0.0.1:1", [("slow", {}), ("fast", {})], 8, outlier_tries=1))
     assert beside == {"slow": [], "fast": [], None: []} and items[-1].counts()["decision_beside_retried"] == 0
+    assert items[-1].counts()["decision_beside_max_ratio"] == 5.0
 
 
 def test_the_schema_fuzz_tells_best_effort_s_price_from_a_bug() -> None:

@@ -33,5 +33,5 @@ def test_a_sample_of_real_world_schemas_is_answered_or_refused_by_name(live_serv
         else:
             assert outcome.status in (413, 422) and outcome.code in REFUSALS and outcome.message, outcome
     counts = report.counts()
-    assert counts["restarts"] == 0 and len(report.beside) == SAMPLE, counts
+    assert counts["restarts"] == 0 and len(report.ratios) == SAMPLE, counts
     assert counts["ok"] > 0, counts

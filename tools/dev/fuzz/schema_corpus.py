@@ -23,10 +23,14 @@ the others are the documented price of best effort (with `--strict`, every inval
 `coverage` counts a 200 that ended with `length`, or with `stop` and output that validated;
 `decision_beside_plain_chat_p50_ratio` is the same decision beside the same chat without a
 response_format (what sharing the engine costs before any constraint). A schema whose decision
-took more than OUTLIER_RATIO times its time alone is sent four more times, and its time is the
-median of the five: one or two slow samples on a shared machine are noise (a worst schema at 2.3x as
-the median of three measured 1.2x when sent again), the same schema slow three times in five is
-not (`decision_beside_retried` counts them; `decision_beside_first_max_ratio` is the worst first try).
+took more than OUTLIER_RATIO times its time alone is sent four more times, each time right after the
+same decision alone, and its ratio is the median of the five: one or two slow samples on a shared
+machine are noise (a worst schema at 2.3x as the median of three measured 1.2x when sent again), the
+same schema slow three times in five is not. The time alone is measured again beside each retry
+because a run lasts minutes and a shared machine's speed drifts meanwhile: a ratio against the time
+alone at the start of the run would count that drift as the schema's cost
+(`decision_beside_retried` counts the retried schemas; `decision_beside_first_max_ratio` is the
+worst first try, against the time alone at the start).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class Outcome:
 @dataclass
 class Report:
     outcomes: list[Outcome] = field(default_factory=list)
-    beside: list[float] = field(default_factory=list)  # decision seconds beside each chat (median of tries)
+    ratios: list[float] = field(default_factory=list)  # each chat's decision beside / alone (median of tries)
     first_tries: list[float] = field(default_factory=list)  # the first try's seconds, beside each chat
     retried: int = 0  # schemas sent OUTLIER_TRIES times
     beside_plain: list[float] = field(default_factory=list)  # beside a chat with no response_format
@@ -114,7 +118,7 @@ class Report:
         stop = [o for o in ok if o.finish == "stop"]
         invalid = [o for o in stop if o.valid is False]
         usable = [o for o in ok if o.finish != "stop" or o.valid is True]
-        ratios = [b / self.alone for b in self.beside] if self.alone else []
+        ratios = self.ratios
         return {
             "sent": len(self.outcomes),
             "ok": len(ok),
@@ -260,18 +264,32 @@ def run(
         for name, schema in schemas:
             outcome, seconds = _beside(client, beside, base_url, (name, schema), max_tokens, strict)
             report.first_tries.append(seconds)
-            if outlier_tries > 1 and seconds > OUTLIER_RATIO * report.alone:
+            ratio = seconds / report.alone
+            if outlier_tries > 1 and ratio > OUTLIER_RATIO:
                 again = (
-                    _beside(client, beside, base_url, (name, schema), max_tokens, strict)[1]
+                    _paired_ratio(client, beside, base_url, (name, schema), max_tokens, strict)
                     for _ in range(outlier_tries - 1)
                 )
-                seconds = statistics.median([seconds, *again])
+                ratio = statistics.median([ratio, *again])
                 report.retried += 1
-            report.beside.append(seconds)
+            report.ratios.append(ratio)
             report.outcomes.append(outcome)
             yield outcome
         report.restarts = restarts(client, base_url) - before
     yield report
+
+
+def _paired_ratio(
+    client: httpx.Client,
+    beside: httpx.Client,
+    base_url: str,
+    named: tuple[str, dict[str, Any]],
+    max_tokens: int,
+    strict: bool,
+) -> float:
+    """The decision's seconds beside `named`'s chat over its seconds alone, measured just before."""
+    alone = decide(client, base_url)
+    return _beside(client, beside, base_url, named, max_tokens, strict)[1] / alone
 
 
 def _beside(
