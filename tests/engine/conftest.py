@@ -1,5 +1,5 @@
-"""Fixtures of the engine tests: tiny random-weight GGUFs (Qwen3.5, and SmolLM2's attention-only
-architecture), each written once per session."""
+"""Fixtures of the engine tests: tiny random-weight GGUFs (Qwen3.5, SmolLM2's attention-only
+architecture, and Gemma 3's sliding window), each written once per session."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from decider_dev.gemma3_gguf import write_gemma3
 from decider_dev.llama_gguf import write_llama
 from decider_dev.qwen35_gguf import write_qwen35
 
@@ -23,3 +24,11 @@ def llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> 
     """SmolLM2's architecture (attention only), tiny and random (tools/dev/llama_gguf.py): for claims
     that hold bit for bit or count tokens and cells, at a fraction of SmolLM2's cost."""
     return write_llama(tmp_path_factory.mktemp("llama") / "tiny-llama-Q4_1.gguf", smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tiny_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """Gemma 3's architecture (five sliding-window layers, then a global one), tiny and random, with a
+    64-token window (tools/dev/gemma3_gguf.py): for windowed-attention claims that hold bit for bit or
+    count cached tokens."""
+    return write_gemma3(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3-Q4_1.gguf", smollm2_path)

@@ -146,7 +146,7 @@ def write_qwen35(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Hybr
 
 
 class CommonShape(Protocol):
-    """The sizes every architecture here has (LlamaShape and HybridShape alike)."""
+    """The sizes every architecture here has (LlamaShape, Gemma3Shape and HybridShape alike)."""
 
     context_length: int
     n_embd: int
