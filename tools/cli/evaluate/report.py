@@ -196,6 +196,7 @@ def coverage_png(thresholds: Thresholds) -> bytes:
 
     def draw(figure) -> None:
         axis = figure.subplots(1, 1)
+        labelled = 0  # cuts labelled so far: each label one line lower, so cuts at one point stay readable
         for name, g in thresholds.types.items():
             if not g.curve:
                 continue
@@ -203,13 +204,17 @@ def coverage_png(thresholds: Thresholds) -> bytes:
             (line,) = axis.step(coverage, accuracy, where="post", label=f"{name} (n={g.labelled})")
             if g.threshold is not None:
                 axis.plot([g.coverage], [g.accuracy_above], "o", color=line.get_color())
+                right = g.coverage > 0.8  # near the right edge the label goes left of its dot
                 axis.annotate(
-                    f"cut {g.threshold:.3f}",
+                    f"{name} cut {g.threshold:.3f}",
                     (g.coverage, g.accuracy_above),
                     textcoords="offset points",
-                    xytext=(4, -12),
+                    xytext=(-6 if right else 6, -24 - 12 * labelled),
+                    ha="right" if right else "left",
+                    color=line.get_color(),
                     fontsize="small",
                 )
+                labelled += 1
         target = thresholds.target_accuracy
         axis.axhline(target, linestyle="--", color="grey", label=f"target {target:g}")
         axis.set(
