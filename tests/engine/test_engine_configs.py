@@ -132,13 +132,11 @@ def tight(llama_path):
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def roomy(llama_path):
+@pytest.fixture
+def roomy(invariant_llama):
     """The same model with batch invariance on and the default context, batches and sequences: the
     reference the tight engine must match bit for bit."""
-    engine = DecisionEngine.load(Settings(model_path=llama_path, batch_invariant=True))
-    yield engine
-    engine.close()
+    return invariant_llama
 
 
 def test_tight_context_chunks_prefill_and_fanout_and_agrees_with_the_default(tight, roomy, jevbench_cases):

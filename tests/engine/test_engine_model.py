@@ -164,16 +164,14 @@ def test_usage_counts_a_shared_state_once(engine):
     )  # three prompts, one decode
 
 
-def test_answers_do_not_depend_on_the_mode_neighbours_or_concurrent_requests(
-    invariant_engine, jevbench_cases
-):
+def test_answers_do_not_depend_on_the_mode_neighbours_or_concurrent_requests(invariant_llama, jevbench_cases):
     """`batch_invariant` (kernels and memory epochs): a question's probabilities are bitwise the same
-    in fresh mode, alone, inside its case, in any order, and while other requests are decoded beside it."""
-    engine = invariant_engine
-    cases = sorted(jevbench_cases[:12], key=lambda case: len(json.dumps(case["state"])))[:2]  # short states
-    bodies = [
-        {"state": case["state"], "questions": dict(list(case["questions"].items())[:2])} for case in cases
-    ]
+    in fresh mode, alone, inside its case, in any order, and while other requests are decoded beside it.
+    On the tiny attention-only model (SmolLM2's architecture, tokenizer and Q4_1 kernels): the claim is
+    bitwise, and every question of three cases costs it what two questions of two cost SmolLM2."""
+    engine = invariant_llama
+    cases = sorted(jevbench_cases[:12], key=lambda case: len(json.dumps(case["state"])))[:3]  # short states
+    bodies = [{"state": case["state"], "questions": case["questions"]} for case in cases]
     shared = [distributions(decide(engine, body)) for body in bodies]
     for body, expected in zip(bodies, shared, strict=True):
         assert distributions(decide(engine, body, mode="fresh")) == expected

@@ -515,10 +515,12 @@ def test_a_cancelled_request_unpins_the_state_it_copied(qwen35: DecisionEngine) 
 
 
 @pytest.mark.model
-def test_batch_invariance_keeps_repeats_but_no_states(invariant_engine: DecisionEngine) -> None:
+def test_batch_invariance_keeps_repeats_but_no_states(invariant_llama: DecisionEngine) -> None:
     """Memory epochs free the cells below a kept state at once, and new tokens would land there, out of
     position order: with batch invariance no state is kept. A repeat's readouts are those a new decode
-    gives in that mode, bit for bit, so repeats are kept."""
+    gives in that mode, bit for bit, so repeats are kept. (On the tiny attention-only model: the claims
+    are bitwise and count decodes.)"""
+    invariant_engine = invariant_llama
     body = unique(EXAMPLE)
     in_case = decide(invariant_engine, body)
     assert invariant_engine.settings.cache_budget.host_bytes is None  # the default, yet no tier:
