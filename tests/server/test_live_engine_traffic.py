@@ -184,7 +184,11 @@ def test_a_client_that_leaves_stops_the_model_within_about_a_second() -> None:
 @LOCAL_ONLY
 def test_a_large_body_does_not_hold_up_ping() -> None:
     with run_local_server({"DECIDER_N_THREADS": "1", **WITHOUT_LOAD_PROBE}) as server:
-        text = json.dumps({"state": {"rows": ["x" * 90] * 60_000}, "questions": DECISION["questions"]})
+        # 250k small objects: about 0.75 s of parsing and validation here (flat strings of the same size
+        # take 0.15 s, within the noise of a ping on a busy machine). Work that held the event loop would
+        # hold a ping for most of that, well past the bound below; work off the loop holds none.
+        rows = [{"a": 1, "b": "x"} for _ in range(250_000)]
+        text = json.dumps({"state": {"rows": rows}, "questions": DECISION["questions"]})
         assert len(text) > 5_000_000
         pings: list[tuple[float, float]] = []  # (start, seconds)
         done = threading.Event()
@@ -199,7 +203,7 @@ def test_a_large_body_does_not_hold_up_ping() -> None:
         pinger.start()
         windows: list[tuple[float, float]] = []
         try:
-            for _ in range(3):  # a longer window: at least one ping must overlap a request
+            for _ in range(2):  # pings must overlap a request (each takes most of a second)
                 started = time.perf_counter()
                 response = httpx.post(
                     f"{server.base_url}/v1/systemone",
@@ -215,4 +219,4 @@ def test_a_large_body_does_not_hold_up_ping() -> None:
             done.set()
             pinger.join()
         during = [seconds for start, seconds in pings if any(a <= start <= b for a, b in windows)]
-        assert during and max(during) < 0.25, (len(during), max(during, default=None))
+        assert during and max(during) < 0.4, (len(during), max(during, default=None))
