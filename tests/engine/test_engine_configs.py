@@ -29,15 +29,16 @@ def compare(shared, fresh) -> tuple[int, int, float]:
     return agree, len(s), delta
 
 
-@pytest.fixture(scope="module")
-def gemma(gemma3_path):
-    engine = DecisionEngine.load(
-        Settings(
-            model_path=gemma3_path, n_ctx=4096, max_state_tokens=3000, n_seq_max=16, batch_invariant=True
-        )
-    )
+def _batch_invariant(path, **settings):
+    """A batch-invariant engine of `path` with 16 sequences and `settings`, closed after its module."""
+    engine = DecisionEngine.load(Settings(model_path=path, n_seq_max=16, batch_invariant=True, **settings))
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma3_path):
+    yield from _batch_invariant(gemma3_path, n_ctx=4096, max_state_tokens=3000)
 
 
 def test_gemma_without_template_uses_the_fallback(gemma):
@@ -65,13 +66,7 @@ def test_gemma_control_tokens_in_caller_text_stay_text(gemma):
 @pytest.fixture(scope="module")
 def tiny_gemma(gemma3_tiny_path):
     """Gemma 3's sliding-window architecture at a 64-token window, random and tiny, batch-invariant."""
-    engine = DecisionEngine.load(
-        Settings(
-            model_path=gemma3_tiny_path, n_ctx=2048, max_state_tokens=1024, n_seq_max=16, batch_invariant=True
-        )
-    )
-    yield engine
-    engine.close()
+    yield from _batch_invariant(gemma3_tiny_path, n_ctx=2048, max_state_tokens=1024)
 
 
 def test_gemma_shared_matches_fresh_beyond_the_sliding_window(tiny_gemma, jevbench_cases):

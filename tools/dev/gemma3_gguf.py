@@ -21,23 +21,21 @@ from pathlib import Path
 
 import numpy as np
 
+from decider_dev.llama_gguf import LlamaShape, attention_tensors
 from decider_dev.qwen35_gguf import finish, random_tensors, read_tokenizer, start_writer
 
 ARCH = "gemma3"
 
 
 @dataclass(frozen=True)
-class Gemma3Shape:
-    """Hyperparameters: one key/value head per four query heads, as in Gemma 3 270M, and a window
-    that a single JevBench state passes."""
+class Gemma3Shape(LlamaShape):
+    """The tiny llama's sizes, with one key/value head per four query heads as in Gemma 3 270M, six
+    layers (llama.cpp's gemma3 pattern: layers 0-4 windowed, layer 5 global) and a window that a
+    single JevBench state passes."""
 
-    n_embd: int = 128
-    n_layer: int = 6  # llama.cpp's gemma3 pattern: layers 0-4 windowed, layer 5 global
-    n_head: int = 4
+    n_layer: int = 6
     n_head_kv: int = 1
-    n_ff: int = 256
     sliding_window: int = 64
-    context_length: int = 8192
 
 
 TINY_GEMMA3 = Gemma3Shape()
@@ -61,23 +59,13 @@ def write_gemma3(
     writer.add_layer_norm_rms_eps(1e-6)
 
     matrix, vector = random_tensors(writer, rng)
-    ones = np.ones
-    matrix("token_embd.weight", s.n_embd, n_vocab, scale=0.15)  # also the output matrix (tied)
-    vector("output_norm.weight", ones(s.n_embd))
-    for il in range(s.n_layer):
-        blk = f"blk.{il}"
-        vector(f"{blk}.attn_norm.weight", ones(s.n_embd))
-        matrix(f"{blk}.attn_q.weight", s.n_embd, head_dim * s.n_head)
-        matrix(f"{blk}.attn_k.weight", s.n_embd, head_dim * s.n_head_kv)
-        matrix(f"{blk}.attn_v.weight", s.n_embd, head_dim * s.n_head_kv)
-        vector(f"{blk}.attn_q_norm.weight", ones(head_dim))
-        vector(f"{blk}.attn_k_norm.weight", ones(head_dim))
-        matrix(f"{blk}.attn_output.weight", head_dim * s.n_head, s.n_embd)
-        vector(f"{blk}.post_attention_norm.weight", ones(s.n_embd))
-        vector(f"{blk}.ffn_norm.weight", ones(s.n_embd))
-        matrix(f"{blk}.ffn_gate.weight", s.n_embd, s.n_ff)
-        matrix(f"{blk}.ffn_up.weight", s.n_embd, s.n_ff)
-        matrix(f"{blk}.ffn_down.weight", s.n_ff, s.n_embd)
-        vector(f"{blk}.post_ffw_norm.weight", ones(s.n_embd))
+
+    def gemma_norms(blk: str) -> None:  # Gemma's per-head query/key norms and post-norms
+        vector(f"{blk}.attn_q_norm.weight", np.ones(head_dim))
+        vector(f"{blk}.attn_k_norm.weight", np.ones(head_dim))
+        vector(f"{blk}.post_attention_norm.weight", np.ones(s.n_embd))
+        vector(f"{blk}.post_ffw_norm.weight", np.ones(s.n_embd))
+
+    attention_tensors(matrix, vector, s, n_vocab, per_layer=gemma_norms)
     finish(writer)
     return path

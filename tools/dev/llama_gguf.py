@@ -15,12 +15,13 @@ SmolLM2's. About 6 MB, written in about a second.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from decider_dev.qwen35_gguf import finish, random_tensors, read_tokenizer, start_writer
+from decider_dev.qwen35_gguf import CommonShape, finish, random_tensors, read_tokenizer, start_writer
 
 ARCH = "llama"
 
@@ -55,6 +56,23 @@ def write_llama(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Llama
     writer.add_layer_norm_rms_eps(1e-5)
 
     matrix, vector = random_tensors(writer, rng)
+    attention_tensors(matrix, vector, s, n_vocab)
+    finish(writer)
+    return path
+
+
+def attention_tensors(
+    matrix: Callable[..., None],
+    vector: Callable[[str, np.ndarray], None],
+    shape: CommonShape,
+    n_vocab: int,
+    per_layer: Callable[[str], None] = lambda blk: None,
+) -> None:
+    """Write the tensors of a llama-style model (tied embeddings, the final norm, and per layer the
+    attention and the gated feed-forward with their pre-norms); `per_layer(blk)` adds an architecture's
+    own tensors to layer `blk` (`blk.N`)."""
+    s = shape
+    head_dim = s.n_embd // s.n_head
     ones = np.ones
     matrix("token_embd.weight", s.n_embd, n_vocab, scale=0.15)  # also the output matrix (tied)
     vector("output_norm.weight", ones(s.n_embd))
@@ -69,5 +87,4 @@ def write_llama(path: Path, tokenizer_gguf: Path, *, seed: int = 0, shape: Llama
         matrix(f"{blk}.ffn_gate.weight", s.n_embd, s.n_ff)
         matrix(f"{blk}.ffn_up.weight", s.n_embd, s.n_ff)
         matrix(f"{blk}.ffn_down.weight", s.n_ff, s.n_embd)
-    finish(writer)
-    return path
+        per_layer(blk)
