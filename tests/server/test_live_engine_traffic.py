@@ -184,9 +184,10 @@ def test_a_client_that_leaves_stops_the_model_within_about_a_second() -> None:
 @LOCAL_ONLY
 def test_a_large_body_does_not_hold_up_ping() -> None:
     with run_local_server({"DECIDER_N_THREADS": "1", **WITHOUT_LOAD_PROBE}) as server:
-        # 250k small objects: about 0.75 s of parsing and validation here (flat strings of the same size
-        # take 0.15 s, within the noise of a ping on a busy machine). Work that held the event loop would
-        # hold a ping for most of that, well past the bound below; work off the loop holds none.
+        # 250k small objects: about 0.75 s of parsing and validation on a quiet machine (flat strings of
+        # the same size take 0.15 s, within the noise of a ping on a busy one). Work that held the event
+        # loop would hold the ping pending when it starts for most of the request's time; work off the
+        # loop holds none. A busy machine stretches both alike, so each ping is bounded by its request.
         rows = [{"a": 1, "b": "x"} for _ in range(250_000)]
         text = json.dumps({"state": {"rows": rows}, "questions": DECISION["questions"]})
         assert len(text) > 5_000_000
@@ -196,7 +197,7 @@ def test_a_large_body_does_not_hold_up_ping() -> None:
         def ping() -> None:
             while not done.is_set():
                 started = time.perf_counter()
-                assert server.ping(timeout=2) == 200
+                assert server.ping(timeout=30) == 200
                 pings.append((started, time.perf_counter() - started))
 
         pinger = threading.Thread(target=ping)
@@ -218,5 +219,9 @@ def test_a_large_body_does_not_hold_up_ping() -> None:
         finally:
             done.set()
             pinger.join()
-        during = [seconds for start, seconds in pings if any(a <= start <= b for a, b in windows)]
-        assert during and max(during) < 0.4, (len(during), max(during, default=None))
+        # (ping seconds, its request's seconds) for every ping sent while a request was in flight
+        during = [(seconds, b - a) for start, seconds in pings for a, b in windows if a <= start <= b]
+        assert during and all(seconds < 0.5 * request for seconds, request in during), (
+            len(during),
+            max(during),
+        )
