@@ -40,6 +40,22 @@ DECISION: dict[str, Any] = {
 }
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "seed": 7}
 
+# A response format that keeps a chat generating: its answer must hold a 1,000-character string, so the
+# model cannot end it early (a free greedy chat in the default mode once stopped after 12 tokens). For
+# tests that need a chat still running when something happens to it (a kill, a deadline, a shutdown).
+LONG_ANSWER: dict[str, Any] = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "story",
+        "schema": {
+            "type": "object",
+            "properties": {"story": {"type": "string", "minLength": 1000}},
+            "required": ["story"],
+            "additionalProperties": False,
+        },
+    },
+}
+
 
 def assert_error_body(body: Any, code: str | None = None, *, status: int | None = None) -> None:
     """The one error body: OpenAI-style `error` plus FastAPI-style `detail` saying the same thing."""

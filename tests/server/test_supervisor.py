@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 from conftest import LIVE_ENV
-from server_helpers import DECISION, assert_error_body
+from server_helpers import DECISION, LONG_ANSWER, assert_error_body
 
 from decider.errors import EXIT_ENGINE_CRASHING, OverloadedError
 from decider.server.supervisor import CRASH_BUDGET, CrashLedger, HeldBodies, Running, fingerprint
@@ -247,7 +247,11 @@ def test_a_killed_engine_is_back_within_ten_seconds_answering_the_same(
     chat: dict[str, httpx.Response] = {}
 
     def long_chat() -> None:
-        body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400}
+        body = {  # still generating at the kill: it cannot end early
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 600,
+            "response_format": LONG_ANSWER,
+        }
         chat["r"] = httpx.post(f"{own_server.base_url}/v1/chat/completions", json=body, timeout=60)
 
     running = threading.Thread(target=long_chat)
