@@ -244,7 +244,7 @@ def test_beside_work_ahead_a_request_is_admitted_only_with_the_estimate_s_margin
 
 def test_admission_counts_only_what_kept_states_and_chat_turns_leave_to_decode() -> None:
     """A decision on a kept state decodes its questions' tails only, and a chat's next turn only what
-    follows the kept turn: admission's estimates (a peek at the cache) say so, within 0.8-1.25 of
+    follows the kept turn: admission's estimates (a peek at the cache) say so, within 0.5-2 of
     what they take; they used to count the whole prompt. The fake takes exact hits only."""
     engine = FakeEngine(decode_seconds=0.002, token_seconds=0.0006)
     scheduler = Scheduler(
@@ -267,7 +267,7 @@ def test_admission_counts_only_what_kept_states_and_chat_turns_leave_to_decode()
 
 def test_admission_counts_a_state_kept_in_host_memory_as_a_hit() -> None:
     """A state evicted from the context and saved in host memory costs no prefill either: admission's
-    peek sees it, and the estimate stays within 0.8-1.25 of what its restore and questions take."""
+    peek sees it, and the estimate stays within 0.5-2 of what its restore and questions take."""
     engine = FakeEngine(decode_seconds=0.002, token_seconds=0.0006)
     metrics = ServerMetrics()
     scheduler = Scheduler(
@@ -306,7 +306,9 @@ def _miss_then_hit(
     between: Any = None,
 ) -> None:
     """`miss`, then (after `between`, if any) `hit` on what it kept: the hit's estimate is under a
-    quarter of the miss's and within 0.8-1.25 of its time."""
+    quarter of the miss's (an estimate of the whole prompt, the old bug, is the miss's) and within
+    0.5-2 of its time. The hit takes about 0.15 s of 2 ms fake decodes, so thread wake-ups on a busy
+    machine are a visible share of it: a tighter band failed once at 0.77."""
     first = scheduler.enqueue(kind, "miss", miss)
     assert cached(first.future.result(30)) == 0  # type: ignore[union-attr]
     if between is not None:
@@ -317,7 +319,7 @@ def _miss_then_hit(
     measured = time.monotonic() - started
     assert first.estimate is not None and again.estimate is not None
     assert again.estimate < 0.25 * first.estimate
-    assert 0.8 <= again.estimate / measured <= 1.25, (kind, again.estimate, measured)
+    assert 0.5 <= again.estimate / measured <= 2.0, (kind, again.estimate, measured)
 
 
 def _work_on(engine: FakeEngine, state: str, questions: dict[str, Any]) -> Any:
