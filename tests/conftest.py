@@ -37,6 +37,21 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         os.environ.setdefault("DECIDER_N_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    share_botocore_loader()
+
+
+def share_botocore_loader() -> None:
+    """Every botocore session of the test process reads AWS's service models through one loader.
+
+    The tools make a boto3 Session per command, and each new session parses the service model files
+    again (SageMaker's is several MB of JSON): in the promote tests that was a quarter of their time. The
+    files never change within a run, and no test sets AWS_DATA_PATH, so one cache serves every session;
+    the clients built from it are the same."""
+    import botocore.loaders
+    import botocore.session
+
+    shared = botocore.loaders.create_loader()
+    botocore.session.create_loader = lambda *_args, **_kwargs: shared
 
 
 HEAVY_MARKERS = ("server", "model", "cdk")

@@ -81,7 +81,7 @@ def fake_server():
     def start(bias: float = 0.0):
         seen: list = []
         server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(bias, seen))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}", seen
 

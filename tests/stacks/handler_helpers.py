@@ -55,7 +55,8 @@ def start_handle() -> tuple[Handle, ThreadingHTTPServer]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
     handle.url = f"http://127.0.0.1:{server.server_address[1]}/signal?X-Amz-Signature=abc"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # A short poll: shutdown() waits for the loop's next poll, 0.5 s by default, at every test's end.
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
     return handle, server
 
 
