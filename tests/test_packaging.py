@@ -3,6 +3,8 @@ shadow its tools, and trees of either layout (before and after the names) import
 
 from __future__ import annotations
 
+import importlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -15,6 +17,27 @@ from decider_cli.infra_diff.tree_packages import link_packages, package_dirs, pa
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SCRIPTS = sorted(PYPROJECT["project"]["scripts"])
+
+
+def _help_exit(main, args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, str]:
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--help"])
+    return done.value.code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_command_of_every_script_prints_its_help(script: str, capsys: pytest.CaptureFixture) -> None:
+    """argparse formats help strings with `%`: a literal one left unescaped crashed `--help` of one
+    subcommand (`decide-eval check`) while the script's own help printed."""
+    module, _, name = PYPROJECT["project"]["scripts"][script].partition(":")
+    main = getattr(importlib.import_module(module), name)
+    code, text = _help_exit(main, [], capsys)
+    assert code == 0 and text
+    usage = text.split("\n\n", 1)[0]
+    commands = re.search(r"\{([\w,-]+)\}", usage)
+    for command in commands[1].split(",") if commands else []:
+        code, text = _help_exit(main, [command], capsys)
+        assert code == 0 and text, command
 
 
 def _folder_packages(name: str, folder: Path) -> set[str]:

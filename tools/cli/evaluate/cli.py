@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-p95-increase",
         type=_non_negative_float,
         default=defaults.max_p95_increase,
-        help=f"relative (default {defaults.max_p95_increase:g} = +{defaults.max_p95_increase:.0%})",
+        help=f"relative (default {defaults.max_p95_increase:g} = +{defaults.max_p95_increase * 100:g}%%)",
     )
     check.add_argument(
         "--confidence",
