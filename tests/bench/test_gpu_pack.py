@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import tarfile
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,28 @@ def test_wheels_are_fetched_as_cpython_312_manylinux_binaries() -> None:
     assert command[-4:] == ["-r", "r.txt", "-c", "c.txt"]
     sdist = pack.sdist_download_command(["pip"], Path("d"), "llama-cpp-python==0.3.36")
     assert sdist[-1] == "llama-cpp-python==0.3.36" and {"--no-binary", ":all:", "--no-deps"} <= set(sdist)
+
+
+def _glibc(tag: str) -> tuple[int, int]:
+    if tag.startswith("manylinux2014"):
+        return (2, 17)
+    major, minor = re.match(r"manylinux_(\d+)_(\d+)_", tag).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+def test_the_pack_admits_the_platform_of_every_binary_wheel_this_venv_runs() -> None:
+    """`make bench-gpu` failed (ResolutionImpossible) once llguidance came in: its wheels are
+    manylinux_2_31, and the pack asked pip for 2_28 at most."""
+    newest = max(_glibc(tag) for tag in pack.PLATFORMS)
+    for requirement in pack.gpu_requirements():
+        name = requirement.split("==")[0]
+        try:
+            wheel = metadata.distribution(name).read_text("WHEEL") or ""
+        except metadata.PackageNotFoundError:
+            continue  # a build requirement this venv does not hold
+        platforms = {line.split("-")[-1] for line in wheel.splitlines() if line.startswith("Tag:")}
+        for platform in (p for p in platforms if p.startswith("manylinux")):
+            assert _glibc(platform) <= newest, (name, platform)
 
 
 @pytest.mark.parametrize(

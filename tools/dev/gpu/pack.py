@@ -45,7 +45,14 @@ from decider_dev import REPO_ROOT
 PACK_DIR = "gpu-pack"
 TREE_LIMIT_BYTES = 64 * 2**20  # what travels to the machine: tracked and untracked files, plus the pack
 PYTHON_VERSION = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# pip takes each tag with every older glibc's (manylinux_2_31 admits 2_28 and 2014). 2_31: llguidance's
+# wheels need it; the GPU machine runs Python 3.12.3 (Ubuntu 24.04's, glibc 2.39).
+PLATFORMS = (
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
 LLAMA_CPP_PACKAGE = "llama-cpp-python"
 # Packages the benchmarks need beyond the container's runtime (httpx is in it), pinned in requirements.txt.
 BENCH_PACKAGES = ("rich", "gguf", "PyYAML", "jevbench")

@@ -114,7 +114,7 @@ fi
 # libllama (it comes first in libllama's lookup scope), which is how the first run here crashed.
 say "toolchain: $(c++ --version | head -1); CXXFLAGS='${CXXFLAGS:-}' LDFLAGS='${LDFLAGS:-}'"
 for lib in libggml.so.0 libggml-base.so.0 libllama.so.0; do
-  say "$lib: $(stat -c %s "$site/llama_cpp/lib/$lib") bytes, $(nm -DC --defined-only "$site/llama_cpp/lib/$lib" 2>/dev/null | grep -c ' std::') std:: symbols defined"
+  say "$lib: $(stat -Lc %s "$site/llama_cpp/lib/$lib") bytes, $(nm -DC --defined-only "$site/llama_cpp/lib/$lib" 2>/dev/null | grep -c ' std::') std:: symbols defined"
 done
 ninja -C "$WORK/llama-build" -t commands ggml 2>/dev/null | grep -- '-o bin/libggml.so\|libggml.so.0' | tail -1 | cut -c1-600 \
   > "$RESULTS/libggml-link.txt" || true
