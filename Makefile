@@ -147,13 +147,16 @@ report-browser: setup
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-browser.txt
 	DECIDER_REQUIRE_BROWSER=1 $(BIN)/pytest -n 0 -q -p no:cacheprovider tests/evaluate/test_report_in_browser.py
 
-# The game day (tools/dev/gameday/): the scenarios the AWS docs leave open, in a SCRATCH account, on the
-# smallest instances; it tears down after itself. Real AWS calls and costs: never part of `make test`.
-#   make game-day ACCOUNT=123456789012 REGION=eu-west-1 IMAGE=<repo>@sha256:<digest> MODEL_S3_URI=s3://b/p/
+# The game day (tools/dev/gameday/): the app's own ImageStack and CpuStack, deployed with the CDK CLI
+# into a SCRATCH account (CDK-bootstrapped) on the smallest instance with the bundled model, then the
+# scenarios the AWS docs leave open; it tears down after itself. Real AWS calls and costs: never part of
+# `make test`. HANGING_IMAGE (optional): tools/dev/gameday/hang/ built on IMAGE and pushed.
+#   make game-day ACCOUNT=123456789012 REGION=eu-west-1 BUCKET=scratch-bucket IMAGE=<repo>@sha256:<digest>
 game-day: setup
-	@test -n "$(ACCOUNT)" && test -n "$(REGION)" && test -n "$(MODEL_S3_URI)" && [[ "$(IMAGE)" == *@sha256:* ]] || \
-	  { echo "usage: make game-day ACCOUNT=<scratch account> REGION=<region> IMAGE=<repo>@sha256:<digest> MODEL_S3_URI=s3://bucket/prefix/" >&2; exit 2; }
-	$(BIN)/python -m decider_dev.gameday --account $(ACCOUNT) --region $(REGION) --image $(IMAGE) --model-s3-uri $(MODEL_S3_URI)
+	@test -n "$(ACCOUNT)" && test -n "$(REGION)" && test -n "$(BUCKET)" && [[ "$(IMAGE)" == *@sha256:* ]] || \
+	  { echo "usage: make game-day ACCOUNT=<scratch account> REGION=<region> BUCKET=<scratch bucket> IMAGE=<repo>@sha256:<digest> [HANGING_IMAGE=<repo>@sha256:<digest>]" >&2; exit 2; }
+	$(BIN)/python -m decider_dev.gameday --account $(ACCOUNT) --region $(REGION) --bucket $(BUCKET) --image $(IMAGE) \
+	  $(if $(HANGING_IMAGE),--hanging-image $(HANGING_IMAGE))
 
 clean:
 	rm -rf $(VENV) node_modules cdk.out .pytest_cache .ruff_cache

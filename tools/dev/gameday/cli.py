@@ -1,14 +1,17 @@
-"""`python -m decider_dev.gameday` (`make game-day`): run the game day's scenarios in a scratch account.
+"""`python -m decider_dev.gameday` (`make game-day`): the game day's scenarios on the app's own stacks,
+in a scratch account.
 
-    make game-day ACCOUNT=123456789012 REGION=eu-west-1 \\
-        IMAGE=123456789012.dkr.ecr.eu-west-1.amazonaws.com/decider@sha256:… \\
-        MODEL_S3_URI=s3://scratch-bucket/models/smol/
+    make game-day ACCOUNT=123456789012 REGION=eu-west-1 BUCKET=scratch-bucket \\
+        IMAGE=123456789012.dkr.ecr.eu-west-1.amazonaws.com/decider@sha256:…
 
-It creates one stack `gameday-<run id>` on the smallest CPU instance (tools/dev/gameday/lab.py), runs the
-scenarios (tools/dev/gameday/scenarios.py), deletes the stack and what it retained, and prints each outcome
-against what the stacks assume, with the command to recover when an assumption is wrong. It refuses to
-run when the credentials are for another account, or in an account where the app's stacks are deployed.
-It costs about two instance-hours of the smallest type plus a transform job.
+It uploads the bundled SmolLM2 to `s3://BUCKET/gameday/<run id>/model/` (and its Batch Transform
+archive beside it), deploys ImageStack and CpuStack with the CDK CLI on the smallest CPU instance
+(tools/dev/gameday/lab.py: only names, sizes and the prebuilt image and model are overridden), runs the
+scenarios (tools/dev/gameday/scenarios.py), deletes both stacks and what they retained, and prints each
+outcome against what the stacks assume, with the command to recover when an assumption is wrong. It
+refuses to run when the credentials are for another account, where the app's stacks are deployed, or
+where CDK is not bootstrapped. It costs about three instance-hours of the smallest type plus a
+transform job.
 
 Exit status: 0 when every assumption holds, 1 when one is wrong or could not be told, 2 on bad input.
 """
@@ -16,23 +19,26 @@ Exit status: 0 when every assumption holds, 1 when one is wrong or could not be 
 from __future__ import annotations
 
 import argparse
+import re
 import secrets
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
-from decider_dev.gameday.lab import SMALLEST_INSTANCE, Lab, Scratch
+from decider.engine.model.bundled import SMOLLM2_FILE
+from decider_dev.gameday.lab import APP_STACKS, SMALLEST_INSTANCE, Cdk, Deploy, Lab, Scratch
 from decider_dev.gameday.scenarios import SCENARIOS, Outcome
-from decider_stacks.config import IMAGE_URI_RE, S3_PREFIX_RE, load_config
+from decider_stacks.config import IMAGE_URI_RE
 from decider_stacks.handlers.sagemaker_json import SageMakerJson
-from decider_stacks.synth import cdk_json_context
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
-APP_STACKS = ("ImageStack", "CpuStack", "GpuStack")
-SERVICES = ("sts", "cloudformation", "sagemaker", "s3", "iam", "cloudwatch")
+SERVICES = ("sts", "cloudformation", "sagemaker", "s3", "iam", "cloudwatch", "ecr")
+BOOTSTRAP_STACK = "CDKToolkit"  # `cdk bootstrap`'s stack: cdk deploy uploads the handlers' assets there
+BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
 class GameDayError(Exception):
@@ -45,38 +51,54 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--region", required=True)
     parser.add_argument("--profile")
     parser.add_argument("--image", required=True, help="the serving image, <repo>@sha256:<digest>")
+    parser.add_argument("--bucket", required=True, help="a scratch bucket the model is uploaded to")
     parser.add_argument(
-        "--model-s3-uri", required=True, help="s3://bucket/prefix/ with the GGUF and model.tar.gz"
+        "--hanging-image",
+        help="an image that answers /ping and hangs on /invocations (tools/dev/gameday/hang/), "
+        "for the hanging-canary scenario",
     )
-    parser.add_argument("--model-file", help="the GGUF's name in the prefix (default: cdk.json's model.file)")
     parser.add_argument("--instance-type", default=SMALLEST_INSTANCE)
-    parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="default: all")
+    parser.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="default: all")
     return parser
 
 
-def check_account(clients: dict[str, Any], account: str) -> None:
+def _stack_status(clients: dict[str, Any], name: str) -> str | None:
+    try:
+        stacks = clients["cloudformation"].describe_stacks(StackName=name)["Stacks"]
+    except ClientError:
+        return None
+    return stacks[0]["StackStatus"] if stacks else None
+
+
+def check_account(clients: dict[str, Any], scratch: Scratch) -> None:
     caller = clients["sts"].get_caller_identity()["Account"]
-    if caller != account:
-        raise GameDayError(f"the credentials are for account {caller}, not the scratch account {account}")
+    if caller != scratch.account:
+        raise GameDayError(
+            f"the credentials are for account {caller}, not the scratch account {scratch.account}"
+        )
     for name in APP_STACKS:
-        try:
-            stacks = clients["cloudformation"].describe_stacks(StackName=name)["Stacks"]
-        except ClientError:
-            continue
-        if stacks and stacks[0]["StackStatus"] != "DELETE_COMPLETE":
+        if _stack_status(clients, name) not in (None, "DELETE_COMPLETE"):
             raise GameDayError(
-                f"{account} runs the app ({name} exists): a game day runs in a scratch account"
+                f"{scratch.account} runs the app ({name} exists): a game day runs in a scratch account"
             )
+    if _stack_status(clients, BOOTSTRAP_STACK) in (None, "DELETE_COMPLETE"):
+        raise GameDayError(
+            f"{scratch.account} is not bootstrapped for CDK in {scratch.region}: run "
+            f"npx cdk bootstrap aws://{scratch.account}/{scratch.region} first"
+        )
 
 
-def run(lab: Lab, names: Sequence[str], out: Callable[[str], None]) -> list[Outcome]:
-    """Create the lab, run the scenarios in order, always tear down; one Outcome per scenario."""
+def run(lab: Lab, names: Sequence[str], gguf: Path, out: Callable[[str], None]) -> list[Outcome]:
+    """Stage the model, deploy the stacks, run the scenarios in order, always tear down."""
     outcomes: list[Outcome] = []
     try:
-        out(f"creating {lab.scratch.name} on {lab.scratch.instance_type} …")
-        stack = lab.create()
-        if stack["StackStatus"] != "CREATE_COMPLETE":
-            raise GameDayError(f"{lab.scratch.name} ended {stack['StackStatus']}: see its events")
+        out(f"uploading {lab.scratch.model_file} to {lab.scratch.model_s3_uri} …")
+        lab.stage_model(gguf)
+        out(f"deploying ImageStack and CpuStack ({lab.scratch.name} on {lab.scratch.instance_type}) …")
+        created = lab.create()
+        outcomes.append(first_deploy(created))
+        if not created.ok:
+            return outcomes
         for name in names:
             out(f"scenario {name} …")
             try:
@@ -86,10 +108,21 @@ def run(lab: Lab, names: Sequence[str], out: Callable[[str], None]) -> list[Outc
                     Outcome(name, SCENARIOS[name].__doc__ or name, f"could not run: {error}", None)
                 )
     finally:
-        out(f"tearing down {lab.scratch.name} …")
+        out("tearing down both stacks and what they retained …")
         for problem in lab.teardown():
             out(f"  left behind: {problem}")
     return outcomes
+
+
+def first_deploy(created: Deploy) -> Outcome:
+    observed = f"cdk deploy exit {created.exit_code} after {created.seconds:.0f} s; CpuStack {created.status}"
+    return Outcome(
+        "first-deploy",
+        "ImageStack and CpuStack deploy into a bootstrapped account with a prebuilt image and model",
+        f"{observed}; {created.reason}" if created.reason else observed,
+        created.ok,
+        "" if created.ok else "the stacks' events name the failed resource; the scenarios did not run",
+    )
 
 
 def report(outcomes: list[Outcome], out: Callable[[str], None]) -> None:
@@ -101,34 +134,52 @@ def report(outcomes: list[Outcome], out: Callable[[str], None]) -> None:
             out(f"    recover:  {outcome.recover}")
 
 
+def bundled_model() -> Path:
+    """The bundled SmolLM2 GGUF, its sha256 checked."""
+    from decider.engine.model.bundled import BundledModelError, smollm2_path
+
+    try:
+        return smollm2_path()
+    except BundledModelError as error:
+        raise GameDayError(f"the bundled model: {error}") from None
+
+
 def main(
-    argv: Sequence[str] | None = None, clients: dict[str, Any] | None = None, lab_options: dict | None = None
+    argv: Sequence[str] | None = None,
+    clients: dict[str, Any] | None = None,
+    lab_options: dict[str, Any] | None = None,
 ) -> int:
     args = build_parser().parse_args(argv)
 
     def out(line: str) -> None:
         print(line, flush=True)
 
-    if not IMAGE_URI_RE.match(args.image) or not S3_PREFIX_RE.match(args.model_s3_uri):
+    images = [args.image, *([args.hanging_image] if args.hanging_image else [])]
+    if not all(IMAGE_URI_RE.match(image) for image in images) or not BUCKET_RE.match(args.bucket):
         print(
-            "game-day: --image must be <repo>@sha256:<digest>, --model-s3-uri s3://bucket/prefix/",
+            "game-day: --image and --hanging-image must be <repo>@sha256:<digest>, --bucket a bucket name",
             file=sys.stderr,
         )
         return EXIT_USAGE
     try:
+        scratch = Scratch(
+            run_id=secrets.token_hex(3),
+            account=args.account,
+            region=args.region,
+            image=args.image,
+            bucket=args.bucket,
+            model_file=SMOLLM2_FILE,
+            instance_type=args.instance_type,
+            hanging_image=args.hanging_image,
+        )
         if clients is None:
             session = boto3.Session(region_name=args.region, profile_name=args.profile)
             clients = {name: session.client(name) for name in SERVICES}
             clients["sagemaker-json"] = SageMakerJson(session)
-        check_account(clients, args.account)
-        scratch = Scratch(
-            run_id=secrets.token_hex(3),
-            image=args.image,
-            model_s3_uri=args.model_s3_uri,
-            model_file=args.model_file or load_config(cdk_json_context()).model.file,
-            instance_type=args.instance_type,
-        )
-        outcomes = run(Lab(clients, scratch, **(lab_options or {})), args.scenario or list(SCENARIOS), out)
+        check_account(clients, scratch)
+        gguf = bundled_model()
+        lab = Lab(clients, scratch, Cdk(args.region, args.profile), **(lab_options or {}))
+        outcomes = run(lab, args.scenario or list(SCENARIOS), gguf, out)
     except GameDayError as error:
         print(f"game-day: {error}", file=sys.stderr)
         return EXIT_USAGE
