@@ -4,6 +4,8 @@ POST /invocations open, reading nothing back, until the caller gives up."""
 
 from __future__ import annotations
 
+import signal
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,6 +28,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main() -> None:
+    # As PID 1 it gets no default SIGTERM action: stop when SageMaker (or docker stop) asks.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server = ThreadingHTTPServer(("0.0.0.0", 8080), Handler)  # noqa: S104 (SageMaker calls it from outside)
     server.daemon_threads = True
     server.serve_forever()
