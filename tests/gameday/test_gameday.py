@@ -659,3 +659,12 @@ def test_a_first_deploy_that_never_created_the_endpoint_stack_is_reported(aws):
     created = lab(aws, 1).create()
     assert created.status == "NOT_CREATED" and not created.ok
     assert "ImageStack's events" in created.reason
+
+
+def test_the_hanging_canary_runs_only_with_a_hanging_image_and_is_skipped_by_default():
+    lines: list[str] = []
+    assert "hanging-canary" not in cli.scenario_names(None, None, lines.append)
+    assert lines == ["hanging-canary skipped: no --hanging-image (tools/dev/gameday/hang/)"]
+    assert cli.scenario_names(None, SCRATCH.image, lines.append) == list(scenarios.SCENARIOS)
+    with pytest.raises(cli.GameDayError, match="needs --hanging-image"):
+        cli.scenario_names(["hanging-canary"], None, lines.append)

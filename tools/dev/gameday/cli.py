@@ -38,6 +38,7 @@ from decider_stacks.handlers.sagemaker_json import SageMakerJson
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
 SERVICES = ("sts", "cloudformation", "sagemaker", "s3", "iam", "cloudwatch", "ecr")
 BOOTSTRAP_STACK = "CDKToolkit"  # `cdk bootstrap`'s stack: cdk deploy uploads the handlers' assets there
+HANGING = "hanging-canary"
 BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
@@ -134,6 +135,20 @@ def report(outcomes: list[Outcome], out: Callable[[str], None]) -> None:
             out(f"    recover:  {outcome.recover}")
 
 
+def scenario_names(
+    asked: list[str] | None, hanging_image: str | None, out: Callable[[str], None]
+) -> list[str]:
+    """The scenarios to run: those asked for, else all; `hanging-canary` needs a hanging image."""
+    if asked and HANGING in asked and hanging_image is None:
+        raise GameDayError(f"{HANGING} needs --hanging-image (tools/dev/gameday/hang/)")
+    if asked:
+        return asked
+    if hanging_image is None:
+        out(f"{HANGING} skipped: no --hanging-image (tools/dev/gameday/hang/)")
+        return [name for name in SCENARIOS if name != HANGING]
+    return list(SCENARIOS)
+
+
 def bundled_model() -> Path:
     """The bundled SmolLM2 GGUF, its sha256 checked."""
     from decider.engine.model.bundled import BundledModelError, smollm2_path
@@ -179,7 +194,7 @@ def main(
         check_account(clients, scratch)
         gguf = bundled_model()
         lab = Lab(clients, scratch, Cdk(args.region, args.profile), **(lab_options or {}))
-        outcomes = run(lab, args.scenario or list(SCENARIOS), gguf, out)
+        outcomes = run(lab, scenario_names(args.scenario, args.hanging_image, out), gguf, out)
     except GameDayError as error:
         print(f"game-day: {error}", file=sys.stderr)
         return EXIT_USAGE
