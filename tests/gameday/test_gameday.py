@@ -51,7 +51,7 @@ SCRATCH = Scratch(
     model_file="SmolLM2-135M-Instruct.Q4_1.gguf",
 )
 NAME = SCRATCH.name
-SERVICES = ("sts", "cloudformation", "sagemaker", "s3", "iam", "cloudwatch", "ecr")
+SERVICES = ("sts", "cloudformation", "sagemaker", "s3", "iam", "ecr")
 
 
 # -- the lab is the app's stacks ------------------------------------------------------------------
@@ -122,14 +122,16 @@ def test_every_scenario_s_change_is_a_valid_config_and_batch_reads_the_staged_ar
         scenarios.OTHER_INSTANCE_TYPE,
         scenarios.BATCH_ON,
         scenarios.BATCH_OFF_AND_NEW_CONFIG,
-        scenarios.OTHER_CONFIG,
+        scenarios.TRIPPED_ROLLBACK,
         {"cpu.endpoint_name": f"{NAME}-renamed"},
         {"cpu.model_s3_uri": f"s3://{SCRATCH.bucket}/{SCRATCH.work_prefix}missing-model/"},
         {"cpu.image_uri": SCRATCH.image.replace("a" * 64, "b" * 64)},
     ]
     for change in changes:
         load_config({**base, **change})  # a ConfigError here would stop the deploy at synth instead
-    with_batch = synthesize(tmp_path, {**lab_context(SCRATCH), **scenarios.BATCH_ON})[ENDPOINT_STACK]
+    # One synth for two scenarios' templates (their overrides touch different resources).
+    changed = {**lab_context(SCRATCH), **scenarios.BATCH_ON, **scenarios.TRIPPED_ROLLBACK}
+    with_batch = synthesize(tmp_path, changed)[ENDPOINT_STACK]
     transform = next(
         r
         for r in _resources(with_batch, "AWS::SageMaker::Model")
@@ -139,6 +141,17 @@ def test_every_scenario_s_change_is_a_valid_config_and_batch_reads_the_staged_ar
     url = transform["Properties"]["PrimaryContainer"]["ModelDataUrl"]
     assert url == f"s3://{SCRATCH.bucket}/{archive_key(SCRATCH.model_prefix)}"
     assert not url.startswith(SCRATCH.model_s3_uri)
+    # The tripped alarm is one SageMaker rolls back on, at 1 ms (ModelLatency is in microseconds).
+    [endpoint] = _resources(with_batch, "AWS::SageMaker::Endpoint")
+    rollback = endpoint["Properties"]["DeploymentConfig"]["AutoRollbackConfiguration"]["Alarms"]
+    refs = {alarm["AlarmName"]["Ref"] for alarm in rollback}
+    latency = [
+        with_batch["Resources"][ref]
+        for ref in refs
+        if "ModelLatency" in json.dumps(with_batch["Resources"][ref]["Properties"])
+    ]
+    assert len(latency) == 1, refs
+    assert latency[0]["Properties"]["Threshold"] == 1000
 
 
 def test_the_cdk_cli_is_this_checkout_s_deploying_the_given_stacks_with_the_overrides():
@@ -402,41 +415,19 @@ def test_prune_is_wrong_when_it_deleted_the_transform_model(aws):
     assert Path(argv[0]).name == "promote" and argv[1:6] == ["prune", "--endpoint", NAME, "--keep", "0"]
 
 
-def test_the_alarm_scenario_raises_every_stack_alarm_while_the_endpoint_updates(aws):
+def test_the_alarm_scenario_holds_when_the_tripped_update_rolls_back_to_the_previous_config(aws):
     endpoint(aws)
-    stack(aws, "UPDATE_COMPLETE")  # before the deploy
-    alarms = [summary(f"Alarm{i}", f"{NAME}-alarm-{i}", "AWS::CloudWatch::Alarm") for i in range(2)]
-    aws["cloudformation"].add_response(
-        "list_stack_resources", {"StackResourceSummaries": alarms}, {"StackName": ENDPOINT_STACK}
-    )
-    endpoint(aws, "Creating")  # not yet updating: nothing raised
-    for status in ("Updating", "Updating"):
-        endpoint(aws, status)
-        for i in range(2):
-            aws["cloudwatch"].add_response(
-                "set_alarm_state",
-                {},
-                {"AlarmName": f"{NAME}-alarm-{i}", "StateValue": "ALARM", "StateReason": ANY},
-            )
-    endpoint(aws, "RollingBack")
-    finished(aws, "UPDATE_ROLLBACK_COMPLETE", ("DeciderPostDeployCheck", "Custom::PostDeployCheck", "rb"))
+    deployed(aws, "UPDATE_ROLLBACK_COMPLETE", ("PostDeployCheckFDEFED2C", "Custom::PostDeployCheck", "rb"))
     endpoint(aws, config="config-a")
-    outcome = scenarios.alarm_rollback_parks(lab(aws, 1))
-    assert outcome.settled is True, outcome
-
-
-def test_the_alarm_scenario_stops_waiting_when_the_deploy_ends_before_the_endpoint_updates(aws):
-    endpoint(aws)
-    stack(aws, "UPDATE_COMPLETE")
-    aws["cloudformation"].add_response(
-        "list_stack_resources", {"StackResourceSummaries": []}, {"StackName": ENDPOINT_STACK}
-    )
-    finished(aws, "UPDATE_ROLLBACK_COMPLETE", GUARD)
-    endpoint(aws)
     the_lab = lab(aws, 1)
-    the_lab.cdk.finished = True
-    outcome = scenarios.alarm_rollback_parks(the_lab)
-    assert outcome.settled is None and "never showed Updating" in outcome.observed
+    before = dict(the_lab.context)
+    assert scenarios.alarm_rollback_parks(the_lab).settled is True
+    assert the_lab.cdk.contexts == [{**before, **scenarios.TRIPPED_ROLLBACK}]
+    endpoint(aws)
+    deployed(aws, "UPDATE_COMPLETE")  # SageMaker never rolled back: the check had nothing to see
+    endpoint(aws, config="config-b")
+    outcome = scenarios.alarm_rollback_parks(lab(aws, 0))
+    assert outcome.settled is False and "the update went through" in outcome.recover
 
 
 def test_the_hanging_canary_is_unknown_without_a_hanging_image(aws):

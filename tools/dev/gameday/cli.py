@@ -36,7 +36,7 @@ from decider_stacks.config import IMAGE_URI_RE
 from decider_stacks.handlers.sagemaker_json import SageMakerJson
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE = 0, 1, 2
-SERVICES = ("sts", "cloudformation", "sagemaker", "s3", "iam", "cloudwatch", "ecr")
+SERVICES = ("sts", "cloudformation", "sagemaker", "s3", "iam", "ecr")
 BOOTSTRAP_STACK = "CDKToolkit"  # `cdk bootstrap`'s stack: cdk deploy uploads the handlers' assets there
 HANGING = "hanging-canary"
 BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")

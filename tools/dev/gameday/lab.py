@@ -99,8 +99,6 @@ def lab_context(scratch: Scratch) -> dict[str, str]:
 
 
 class Process(Protocol):
-    def poll(self) -> int | None: ...
-
     def wait(self) -> int: ...
 
 
@@ -123,20 +121,6 @@ class Cdk:
     def deploy(self, stacks: Sequence[str], context: Mapping[str, str]) -> Process:
         env = {"AWS_REGION": self.region, "AWS_DEFAULT_REGION": self.region}
         return self.start(self.argv(stacks, context), cwd=ROOT, env={**os.environ, **env})
-
-
-@dataclass(frozen=True)
-class Running:
-    """A deploy started in the background."""
-
-    process: Process
-    finish_with: Callable[[int], Deploy]
-
-    def done(self) -> bool:
-        return self.process.poll() is not None
-
-    def finish(self) -> Deploy:
-        return self.finish_with(self.process.wait())
 
 
 @dataclass(frozen=True)
@@ -212,12 +196,6 @@ class Lab:
     def deploy(self, changes: Mapping[str, str]) -> Deploy:
         """Deploy the endpoint stack again with `changes` on top of the last deploy that held."""
         return self._deploy([ENDPOINT_STACK], changes)
-
-    def deploy_in_background(self, changes: Mapping[str, str]) -> Running:
-        """Start a deploy and return at once (the alarm scenario acts while it runs)."""
-        before, started, context = self.stack(), self.now(), {**self.context, **changes}
-        process = self.cdk.deploy([ENDPOINT_STACK], context)
-        return Running(process, lambda code: self._finish(code, started, context, before))
 
     def _deploy(self, stacks: list[str], changes: Mapping[str, str]) -> Deploy:
         before, started, context = self.stack(), self.now(), {**self.context, **changes}
