@@ -265,6 +265,11 @@ def prune_keeps_transform_model(lab: Lab) -> Outcome:
         observed = f"turning batch_transform on failed: {ENDPOINT_STACK} {failed.status}; {failed.reason}"
         return Outcome("prune-keeps-transform-model", assumption, observed, None)
     model = lab.output(TRANSFORM_MODEL_OUTPUT)
+    if model is None:
+        observed = f"{ENDPOINT_STACK} has no {TRANSFORM_MODEL_OUTPUT} output with batch_transform on"
+        return Outcome(
+            "prune-keeps-transform-model", assumption, observed, False, "see stacks/endpoint_stack.py"
+        )
     argv = ["prune", "--endpoint", lab.endpoint_name, "--keep", "0", "--region", lab.scratch.region]
     argv += ["--profile", lab.cdk.profile] if lab.cdk.profile else []
     exit_code = lab.run_tool(tool_argv("promote", argv))
