@@ -415,6 +415,14 @@ def test_prune_is_wrong_when_it_deleted_the_transform_model(aws):
     assert Path(argv[0]).name == "promote" and argv[1:6] == ["prune", "--endpoint", NAME, "--keep", "0"]
 
 
+def test_prune_without_a_transform_model_output_is_wrong_and_prunes_nothing(aws):
+    stack(aws, "UPDATE_COMPLETE")
+    the_lab = lab(aws, run_tool=lambda argv: pytest.fail(f"ran {argv}"))
+    the_lab.context = {**the_lab.context, **scenarios.BATCH_ON}
+    outcome = scenarios.prune_keeps_transform_model(the_lab)
+    assert outcome.settled is False and "has no TransformModelName output" in outcome.observed
+
+
 def test_the_alarm_scenario_holds_when_the_tripped_update_rolls_back_to_the_previous_config(aws):
     endpoint(aws)
     deployed(aws, "UPDATE_ROLLBACK_COMPLETE", ("PostDeployCheckFDEFED2C", "Custom::PostDeployCheck", "rb"))
