@@ -507,6 +507,14 @@ def test_the_game_day_runs_only_in_a_scratch_account_that_cdk_can_deploy_to(aws,
         absent(aws, name)
     assert cli.main(ARGS, clients=aws["clients"]) == cli.EXIT_USAGE
     assert f"npx cdk bootstrap aws://{ACCOUNT}/{REGION} first" in capsys.readouterr().err
+    caller(ACCOUNT)
+    for name in ("ImageStack", "CpuStack", "GpuStack"):
+        absent(aws, name)
+    stack(aws, "CREATE_COMPLETE", name="CDKToolkit")
+    location = {"LocationConstraint": "eu-west-1"}
+    aws["s3"].add_response("get_bucket_location", location, {"Bucket": SCRATCH.bucket})
+    assert cli.main(ARGS, clients=aws["clients"]) == cli.EXIT_USAGE
+    assert "s3://scratch-models is in eu-west-1; the game day runs in us-east-1" in capsys.readouterr().err
     assert cli.main([*ARGS[:5], "repo:latest", *ARGS[6:]], clients=aws["clients"]) == cli.EXIT_USAGE
     assert cli.main([*ARGS[:7], "Not_A_Bucket"], clients=aws["clients"]) == cli.EXIT_USAGE
 
@@ -667,3 +675,12 @@ def test_the_hanging_canary_runs_only_with_a_hanging_image_and_is_skipped_by_def
     assert cli.scenario_names(None, SCRATCH.image, lines.append) == list(scenarios.SCENARIOS)
     with pytest.raises(cli.GameDayError, match="needs --hanging-image"):
         cli.scenario_names(["hanging-canary"], None, lines.append)
+
+
+def test_a_ready_scratch_account_passes_the_checks(aws):
+    aws["sts"].add_response("get_caller_identity", {"Account": ACCOUNT, "Arn": "arn:x", "UserId": "U"})
+    for name in ("ImageStack", "CpuStack", "GpuStack"):
+        absent(aws, name)
+    stack(aws, "UPDATE_COMPLETE", name="CDKToolkit")
+    aws["s3"].add_response("get_bucket_location", {}, {"Bucket": SCRATCH.bucket})  # us-east-1: no constraint
+    cli.check_account(aws["clients"], SCRATCH)

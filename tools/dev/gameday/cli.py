@@ -87,6 +87,17 @@ def check_account(clients: dict[str, Any], scratch: Scratch) -> None:
             f"{scratch.account} is not bootstrapped for CDK in {scratch.region}: run "
             f"npx cdk bootstrap aws://{scratch.account}/{scratch.region} first"
         )
+    # SageMaker reads model data only from a bucket in the endpoint's region; GetBucketLocation
+    # answers no LocationConstraint for us-east-1.
+    try:
+        location = clients["s3"].get_bucket_location(Bucket=scratch.bucket).get("LocationConstraint")
+    except ClientError as error:
+        raise GameDayError(f"s3://{scratch.bucket}: {error}") from None
+    if (location or "us-east-1") != scratch.region:
+        raise GameDayError(
+            f"s3://{scratch.bucket} is in {location or 'us-east-1'}; the game day runs in {scratch.region}, "
+            "and SageMaker reads model data only from a bucket in its own region"
+        )
 
 
 def run(lab: Lab, names: Sequence[str], gguf: Path, out: Callable[[str], None]) -> list[Outcome]:
