@@ -678,7 +678,9 @@ def test_the_hanging_canary_runs_only_with_a_hanging_image_and_is_skipped_by_def
 
 
 def test_a_ready_scratch_account_passes_the_checks(aws):
-    aws["sts"].add_response("get_caller_identity", {"Account": ACCOUNT, "Arn": "arn:x", "UserId": "U"})
+    aws["sts"].add_response(
+        "get_caller_identity", {"Account": ACCOUNT, "Arn": "arn:aws:iam::1:user/x", "UserId": "U"}
+    )
     for name in ("ImageStack", "CpuStack", "GpuStack"):
         absent(aws, name)
     stack(aws, "UPDATE_COMPLETE", name="CDKToolkit")
