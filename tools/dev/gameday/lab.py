@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from botocore.exceptions import ClientError
 
-from decider_stacks.config import IMAGE_URI_RE, archive_key
+from decider_stacks.config import archive_key
 from decider_stacks.handlers.post_deploy_check import parked_prefix
 from decider_stacks.paths import ROOT
 
@@ -72,12 +72,6 @@ class Scratch:
     def artifacts_bucket(self) -> str:
         """ImageStack's artifacts bucket (decider_stacks.image_stack.artifacts_bucket_name)."""
         return f"{self.name}-artifacts-{self.account}-{self.region}"
-
-    @property
-    def repository_arn(self) -> str:
-        match = IMAGE_URI_RE.match(self.image)
-        assert match is not None, self.image
-        return f"arn:aws:ecr:{match['region']}:{match['account']}:repository/{match['repository']}"
 
 
 def lab_context(scratch: Scratch) -> dict[str, str]:
