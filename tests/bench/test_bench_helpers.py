@@ -23,6 +23,7 @@ from decider_dev.bench.common import (
 )
 from decider_dev.bench.engine import Timed, last_line, many_options_body, options_run, report
 from decider_dev.bench.server import (
+    BatchBesideChat,
     Level,
     MixedResult,
     MultiTurn,
@@ -291,6 +292,21 @@ def test_the_mixed_line_sets_decisions_beside_chats_against_decisions_alone():
         "p50_beside=1.500 p95_alone=1.900 p95_beside=3.750 "
         "decision_errors={'503 deadline_unreachable': 1} chat_ends=cut:4,stop:2"
     )
+
+
+def test_the_batch_chat_line_sets_the_chat_s_first_token_against_issue_34_s_bound():
+    def result(ttft_beside: float, batch_status: str = "200", chat_end: str = "length") -> BatchBesideChat:
+        return BatchBesideChat(16, 0.2, ttft_beside, 0.01, 2.4, 40.0, 42.0, chat_end, batch_status)
+
+    # The bound is max(5 x 0.2 s alone, 40 s / 4) = 10 s: a first token at 5 s is half of it.
+    assert result(5.0).line() == (
+        "batch_chat_states=16 chat_ttft_vs_target=0.500 chat_ttft_alone=0.200 chat_ttft_beside=5.000 "
+        "chat_gap_alone=0.010 chat_gap_beside=2.400 batch_alone=40.000 batch_beside=42.000 "
+        "batch_beside_over_alone=1.050 chat_end=length batch_status=200"
+    )
+    assert result(39.0).target == 10.0 and not result(39.0).failed  # slow, but answered: the ratio says it
+    assert result(5.0, "alone 504 deadline_exceeded").failed
+    assert result(5.0, chat_end="deadline_exceeded").failed
 
 
 def test_the_multi_turn_line_sets_the_last_turn_s_first_token_against_the_first():

@@ -27,6 +27,12 @@ all cores), side by side on the same requests:
    then again while `--mixed-chats` clients (default 4) keep streaming chats with the default
    max_tokens beside them; `decision_p50_ratio` / `decision_p95_ratio` = beside / alone (1.0: the
    chats cost the decisions nothing), and how the chats ended (`cut`: closed at the level's end).
+   A batch beside a chat (`batch_chat`, on a fresh server, caches off as above): one
+   `/v1/systemone/batch` of `--batch-chat-states` states (default 16), and a streaming chat sent 1 s
+   after it. `chat_ttft_vs_target` = the chat's time to first token beside the batch / issue 34's
+   bound, max(5 x the chat's alone, a quarter of the batch's time alone) (at most 1: met);
+   `chat_gap_beside` = the median gap between its later tokens (one per step of the batch);
+   `batch_beside_over_alone` = what the chat cost the batch.
 6. Multi-turn chat. `--multi-turn-conversations` conversations (default 3) of `--turns` turns
    (default 5, greedy, 64 tokens per answer), each turn carrying the earlier ones, each conversation
    opened by a system message of its own, on a fresh server with the default caches (kept chat
@@ -50,7 +56,7 @@ all cores), side by side on the same requests:
      so exact repeats answer nothing: each state must be prefilled again or come back), on a fresh
      server with the defaults and then on one with `DECIDER_STATE_CACHE_HOST_MIB=0`, one client;
      `host_vs_device_only` = the second's wall time / the first's (above 1: the tier pays).
-   `--levels multi_turn`, `repeat`, `hybrid` or `host` runs that level alone.
+   `--levels multi_turn`, `batch_chat`, `repeat`, `hybrid` or `host` runs that level alone.
    Phases 1-5 ask each case once, and the sweep asks the same requests at every level: there the
    server runs with both caches off (DECIDER_STATE_CACHE_SEQS=0, DECIDER_REPEAT_CACHE_ENTRIES=0), so
    that a level is never a replay of the one before.
@@ -64,6 +70,8 @@ The last lines are machine-readable (times in seconds; ratios against the 1-clie
       text_prompt_tokens=… decision_tokens=…   (1 and 4 clients)
     mixed_chats=4 decision_p50_ratio=… decision_p95_ratio=… p50_alone=… p50_beside=… p95_alone=…
       p95_beside=… decision_errors=… chat_ends=…
+    batch_chat_states=16 chat_ttft_vs_target=… chat_ttft_alone=… chat_ttft_beside=… chat_gap_alone=…
+      chat_gap_beside=… batch_alone=… batch_beside=… batch_beside_over_alone=… chat_end=… batch_status=…
     multi_turn=5 conversations=3 ttft_first=… ttft_last=… ttft_last_over_first=…
       uncached_ttft_last_over_first=… prompt_tokens_first=… prompt_tokens_last=… cached_tokens_first=…
       cached_tokens_last=… turn_ends=…
@@ -80,6 +88,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import queue
@@ -514,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
         help="states of the batch-route comparison (default 6: all of them fit one memory epoch)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: 8 requests, 2 overhead cases, 3 states"
+        "--quick",
+        action="store_true",
+        help="a smoke run: 8 requests, 2 overhead cases, 3 states (in the batch route and beside a chat)",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="DECIDER_N_THREADS for both (default: physical cores)"
@@ -528,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
         "--mixed-chats",
         default="4",
         help="chats generating beside the mixed level's decisions, comma-separated (default 4; 0: skip)",
+    )
+    parser.add_argument(
+        "--batch-chat-states",
+        type=int,
+        default=16,
+        help="states of the batch a chat is sent beside (default 16, as in issue 34; 0: skip)",
     )
     parser.add_argument(
         "--turns", type=int, default=5, help="turns of the multi-turn chat line (default 5; 0: skip)"
@@ -563,20 +580,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--levels",
         default="all",
-        choices=("all", "traffic", "repeat", "hybrid", "multi_turn", "host"),
+        choices=("all", "traffic", "repeat", "hybrid", "multi_turn", "batch_chat", "host"),
         help="'all'; 'traffic' for the repeat and hybrid levels alone, 'repeat' or 'hybrid' for one of "
-        "them, 'multi_turn' for the multi-turn chat alone, 'host' for the host-memory tier's level alone "
-        "(default all; it has no 'host')",
+        "them, 'multi_turn' for the multi-turn chat alone, 'batch_chat' for a chat beside a batch alone, "
+        "'host' for the host-memory tier's level alone (default all; it has no 'host')",
     )
     args = parser.parse_args(argv)
     if args.levels in ("traffic", "repeat", "hybrid"):
         return traffic_main(args, args.levels)
     if args.levels == "multi_turn":
         return multi_turn_main(args)
+    if args.levels == "batch_chat":
+        return batch_chat_main(args)
     if args.levels == "host":
         return host_main(args)
     if args.quick:
         args.requests, args.overhead_cases, args.batch_states, args.text_requests = 8, 2, 3, 4
+        args.batch_chat_states = min(args.batch_chat_states, 3)
     levels_wanted = sorted({1, *(int(n) for n in args.concurrency.split(",") if n.strip())})
     console = Console(width=200)
 
@@ -683,8 +703,9 @@ def main(argv: list[str] | None = None) -> int:
     if multi_turn is not None:
         print(multi_turn.line())
     failed = failed or any(result.beside.errors or result.alone.errors for result in mixed)
+    batch_chat_failed = batch_chat_main(args) if args.batch_chat_states > 0 else 0
     traffic_failed = traffic_main(args)
-    return 1 if failed or ping_failures or traffic_failed else 0
+    return 1 if failed or ping_failures or batch_chat_failed or traffic_failed else 0
 
 
 # --- real traffic: repeats, and the hybrid model ---------------------------------------------------
@@ -1037,6 +1058,145 @@ def measure_mixed(base_url: str, bodies: list[dict[str, Any]], chats: int) -> Mi
         for end in out[0] if out else ["client_hung"]:
             ends[end] = ends.get(end, 0) + 1
     return MixedResult(chats, alone, beside, ends)
+
+
+# --- a chat beside a batch: issue 34's first-come gate per unit -------------------------------------------
+BATCH_CHAT_DELAY_SECONDS = 1.0  # the chat follows the batch by this much (issue 34's scenario)
+BATCH_CHAT_ALONE_TRIES = 3  # the chat alone: the median of this many first tokens
+
+
+@dataclass
+class BatchBesideChat:
+    """One batch alone and with a chat sent beside it; the chat's tokens alone and beside it."""
+
+    states: int
+    ttft_alone: float
+    ttft_beside: float
+    gap_alone: float  # the median gap between the chat's tokens
+    gap_beside: float
+    batch_alone: float
+    batch_beside: float
+    chat_end: str  # its finish_reason, or its error
+    batch_status: str  # "200", or the status and error code
+
+    @property
+    def target(self) -> float:
+        """Issue 34's bound on the chat's first token beside the batch."""
+        return max(5 * self.ttft_alone, self.batch_alone / 4)
+
+    @property
+    def failed(self) -> bool:
+        return self.batch_status != "200" or self.chat_end not in ("stop", "length")
+
+    def line(self) -> str:
+        return key_values(
+            (
+                ("batch_chat_states", str(self.states)),
+                ("chat_ttft_vs_target", ratio(self.ttft_beside, self.target)),
+                ("chat_ttft_alone", self.ttft_alone),
+                ("chat_ttft_beside", self.ttft_beside),
+                ("chat_gap_alone", self.gap_alone),
+                ("chat_gap_beside", self.gap_beside),
+                ("batch_alone", self.batch_alone),
+                ("batch_beside", self.batch_beside),
+                ("batch_beside_over_alone", ratio(self.batch_beside, self.batch_alone)),
+                ("chat_end", self.chat_end),
+                ("batch_status", self.batch_status),
+            ),
+            digits=3,
+        )
+
+
+@dataclass(frozen=True)
+class ChatTimes:
+    """One short streaming chat: seconds to its first content token, the median gap between its
+    tokens after that (nan without them), and how it ended."""
+
+    first: float
+    gap: float
+    end: str
+
+
+def short_chat(client: httpx.Client) -> ChatTimes:
+    """A 16-token streaming chat, timed token by token."""
+    body = {"messages": [{"role": "user", "content": MIXED_CHAT_PROMPT}], "max_tokens": 16, "stream": True}
+    started, arrivals, end = time.perf_counter(), [], "no_end"
+    with client.stream("POST", "/v1/chat/completions", json={**body, "seed": 7}) as response:
+        if response.status_code != 200:
+            response.read()
+            return ChatTimes(math.nan, math.nan, f"{response.status_code} {error_code(response)}")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            choice = (chunk.get("choices") or [{}])[0]
+            if "error" in chunk:
+                end = str(chunk["error"].get("code"))
+            elif choice.get("delta", {}).get("content"):
+                arrivals.append(time.perf_counter() - started)
+            if choice.get("finish_reason"):
+                end = choice["finish_reason"]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+    return ChatTimes(arrivals[0] if arrivals else math.nan, median(gaps), end)
+
+
+def timed_batch(base_url: str, body: dict[str, Any]) -> tuple[float, str]:
+    """One batch request: its seconds, and "200" or its status and error code."""
+    with httpx.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client:
+        started = time.perf_counter()
+        response = client.post("/v1/systemone/batch", json=body)
+        seconds = time.perf_counter() - started
+    status = "200" if response.status_code == 200 else f"{response.status_code} {error_code(response)}"
+    return seconds, status
+
+
+def measure_batch_beside_chat(base_url: str, cases: list[dict[str, Any]], states: int) -> BatchBesideChat:
+    """The chat alone, the batch alone, then the batch with the chat sent BATCH_CHAT_DELAY_SECONDS
+    after it. The batch's states are `states` distinct cases under the fewest questions among them
+    (so that the batch fits its deadline on a slow machine: 16 states of 12 questions take about
+    the whole 55 s on SmolLM2 and 2 cores)."""
+    chosen = spread(cases, states)
+    questions = min((case["questions"] for case in chosen), key=len)
+    batch = {"states": [case["state"] for case in chosen], "questions": questions}
+    with httpx.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_SECONDS) as client:
+        short_chat(client)  # warm-up
+        alone = [short_chat(client) for _ in range(BATCH_CHAT_ALONE_TRIES)]
+        batch_alone, alone_status = timed_batch(base_url, batch)
+        outcome: dict[str, tuple[float, str]] = {}
+        thread = threading.Thread(target=lambda: outcome.update(batch=timed_batch(base_url, batch)))
+        thread.start()
+        time.sleep(BATCH_CHAT_DELAY_SECONDS)
+        beside = short_chat(client)
+        thread.join(CLIENT_TIMEOUT_SECONDS)
+    batch_beside, batch_status = outcome.get("batch", (math.nan, "client_hung"))
+    if alone_status != "200":
+        batch_status = f"alone {alone_status}"
+    return BatchBesideChat(
+        states=len(chosen),
+        ttft_alone=median([chat.first for chat in alone]),
+        ttft_beside=beside.first,
+        gap_alone=median([chat.gap for chat in alone]),
+        gap_beside=beside.gap,
+        batch_alone=batch_alone,
+        batch_beside=batch_beside,
+        chat_end=beside.end,
+        batch_status=batch_status,
+    )
+
+
+def batch_chat_main(args: Any) -> int:
+    """The batch-beside-a-chat level on a fresh server, caches off (the batch does the same work
+    twice); 1 if it failed."""
+    from decider.engine.model.bundled import smollm2_path
+    from decider.settings import Settings
+
+    fields = {**model_settings(args, smollm2_path()), **NO_CACHES}
+    env = {Settings.env_name(name): str(value) for name, value in fields.items()}
+    Console(width=200).print(f"[dim]batch beside a chat: {args.batch_chat_states} states…[/]")
+    with run_local_server(env) as server:
+        result = measure_batch_beside_chat(server.base_url, load_cases(args.cases), args.batch_chat_states)
+    print(result.line())
+    return 1 if result.failed else 0
 
 
 # --- multi-turn chat: time to first token as a conversation grows ---------------------------------------
