@@ -194,13 +194,13 @@ class FakeCdk(Cdk):
 
     def __init__(self, *codes: int) -> None:
         super().__init__(REGION, start=self._start)
-        self.codes, self.contexts, self.finished = list(codes), [], False
+        self.codes, self.contexts = list(codes), []
 
     def _start(self, argv: list[str], **_: Any) -> Any:
         pairs = [argv[i + 1] for i, arg in enumerate(argv) if arg == "-c"]
         self.contexts.append(dict(pair.split("=", 1) for pair in pairs))
         code = self.codes.pop(0)
-        return SimpleNamespace(wait=lambda: code, poll=lambda: code if self.finished else None)
+        return SimpleNamespace(wait=lambda: code)
 
 
 def lab(aws: dict[str, Any], *codes: int, scratch: Scratch = SCRATCH, **options: Any) -> Lab:
@@ -284,10 +284,6 @@ def deployed(
         absent(aws)
     else:
         stack(aws, before)
-    finished(aws, status, failed)
-
-
-def finished(aws: dict[str, Any], status: str, failed: tuple[str, str, str] | None = None) -> None:
     stack(aws, status, modified=NOW + timedelta(minutes=1))
     resources(aws)
     if failed is not None:

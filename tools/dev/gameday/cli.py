@@ -30,7 +30,15 @@ import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
 from decider.engine.model.bundled import SMOLLM2_FILE
-from decider_dev.gameday.lab import APP_STACKS, SMALLEST_INSTANCE, Cdk, Deploy, Lab, Scratch
+from decider_dev.gameday.lab import (
+    APP_STACKS,
+    SMALLEST_INSTANCE,
+    Cdk,
+    Deploy,
+    Lab,
+    Scratch,
+    describe_stack,
+)
 from decider_dev.gameday.scenarios import SCENARIOS, Outcome
 from decider_stacks.config import IMAGE_URI_RE
 from decider_stacks.handlers.sagemaker_json import SageMakerJson
@@ -63,12 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stack_status(clients: dict[str, Any], name: str) -> str | None:
-    try:
-        stacks = clients["cloudformation"].describe_stacks(StackName=name)["Stacks"]
-    except ClientError:
-        return None
-    return stacks[0]["StackStatus"] if stacks else None
+def _exists(clients: dict[str, Any], name: str) -> bool:
+    stack = describe_stack(clients["cloudformation"], name)
+    return stack is not None and stack["StackStatus"] != "DELETE_COMPLETE"
 
 
 def check_account(clients: dict[str, Any], scratch: Scratch) -> None:
@@ -78,11 +83,11 @@ def check_account(clients: dict[str, Any], scratch: Scratch) -> None:
             f"the credentials are for account {caller}, not the scratch account {scratch.account}"
         )
     for name in APP_STACKS:
-        if _stack_status(clients, name) not in (None, "DELETE_COMPLETE"):
+        if _exists(clients, name):
             raise GameDayError(
                 f"{scratch.account} runs the app ({name} exists): a game day runs in a scratch account"
             )
-    if _stack_status(clients, BOOTSTRAP_STACK) in (None, "DELETE_COMPLETE"):
+    if not _exists(clients, BOOTSTRAP_STACK):
         raise GameDayError(
             f"{scratch.account} is not bootstrapped for CDK in {scratch.region}: run "
             f"npx cdk bootstrap aws://{scratch.account}/{scratch.region} first"
@@ -127,11 +132,10 @@ def run(lab: Lab, names: Sequence[str], gguf: Path, out: Callable[[str], None]) 
 
 
 def first_deploy(created: Deploy) -> Outcome:
-    observed = f"cdk deploy exit {created.exit_code} after {created.seconds:.0f} s; CpuStack {created.status}"
     return Outcome(
         "first-deploy",
         "ImageStack and CpuStack deploy into a bootstrapped account with a prebuilt image and model",
-        f"{observed}; {created.reason}" if created.reason else observed,
+        f"{created.line}; {created.reason}" if created.reason else created.line,
         created.ok,
         "" if created.ok else "the stacks' events name the failed resource; the scenarios did not run",
     )
@@ -188,6 +192,7 @@ def main(
         )
         return EXIT_USAGE
     try:
+        names = scenario_names(args.scenario, args.hanging_image, out)
         scratch = Scratch(
             run_id=secrets.token_hex(3),
             account=args.account,
@@ -205,7 +210,7 @@ def main(
         check_account(clients, scratch)
         gguf = bundled_model()
         lab = Lab(clients, scratch, Cdk(args.region, args.profile), **(lab_options or {}))
-        outcomes = run(lab, scenario_names(args.scenario, args.hanging_image, out), gguf, out)
+        outcomes = run(lab, names, gguf, out)
     except GameDayError as error:
         print(f"game-day: {error}", file=sys.stderr)
         return EXIT_USAGE

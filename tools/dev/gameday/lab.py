@@ -92,6 +92,21 @@ def lab_context(scratch: Scratch) -> dict[str, str]:
     }
 
 
+def context_args(context: Mapping[str, str]) -> list[str]:
+    """`-c KEY=VALUE` pairs, sorted, as the CDK CLI and the project's tools take them."""
+    return [arg for key, value in sorted(context.items()) for arg in ("-c", f"{key}={value}")]
+
+
+def describe_stack(cloudformation: Any, name: str) -> dict[str, Any] | None:
+    """A stack's description, or None when it does not exist (any other error is raised)."""
+    try:
+        return cloudformation.describe_stacks(StackName=name)["Stacks"][0]
+    except ClientError as error:
+        if "does not exist" in str(error):
+            return None
+        raise
+
+
 class Process(Protocol):
     def wait(self) -> int: ...
 
@@ -108,9 +123,7 @@ class Cdk:
         argv = [str(CDK), "deploy", *stacks, "--require-approval", "never", "--ci", "--progress", "events"]
         if self.profile:
             argv += ["--profile", self.profile]
-        for key, value in sorted(context.items()):
-            argv += ["-c", f"{key}={value}"]
-        return argv
+        return argv + context_args(context)
 
     def deploy(self, stacks: Sequence[str], context: Mapping[str, str]) -> Process:
         env = {"AWS_REGION": self.region, "AWS_DEFAULT_REGION": self.region}
@@ -129,6 +142,10 @@ class Deploy:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and self.status in ("CREATE_COMPLETE", "UPDATE_COMPLETE")
+
+    @property
+    def line(self) -> str:
+        return f"cdk deploy exit {self.exit_code} after {self.seconds:.0f} s; {ENDPOINT_STACK} {self.status}"
 
 
 def tool_argv(tool: str, args: Sequence[str]) -> list[str]:
@@ -167,6 +184,12 @@ class Lab:
     @property
     def endpoint_name(self) -> str:
         return self.context["cpu.endpoint_name"]
+
+    @property
+    def aws_args(self) -> list[str]:
+        """The region and profile options the project's tools take."""
+        profile = ["--profile", self.cdk.profile] if self.cdk.profile else []
+        return ["--region", self.scratch.region, *profile]
 
     def stage_model(self, gguf: Path) -> None:
         """The bundled GGUF under the model prefix, and its Batch Transform archive beside it
@@ -216,22 +239,22 @@ class Lab:
         return result
 
     def stack(self, name: str = ENDPOINT_STACK) -> dict[str, Any] | None:
-        """The stack's description, or None when it does not exist."""
-        try:
-            return self.cloudformation.describe_stacks(StackName=name)["Stacks"][0]
-        except ClientError as error:
-            if "does not exist" in str(error):
-                return None
-            raise
+        return describe_stack(self.cloudformation, name)
+
+    def _poll(self, read: Callable[[], Any], done: Callable[[Any], bool], what: str) -> Any:
+        """`read()` every poll_s until `done` says so; TimeoutError after max_polls."""
+        for _ in range(self.max_polls):
+            value = read()
+            if done(value):
+                return value
+            self.sleep(self.poll_s)
+        raise TimeoutError(f"{what} still changing after {self.max_polls} polls")
 
     def wait_stack(self, name: str) -> dict[str, Any] | None:
-        """Poll a stack until its status is terminal (…_COMPLETE, …_FAILED); None if it does not exist."""
-        for _ in range(self.max_polls):
-            stack = self.stack(name)
-            if stack is None or TERMINAL.search(stack["StackStatus"]):
-                return stack
-            self.sleep(self.poll_s)
-        raise TimeoutError(f"{name} still changing after {self.max_polls} polls")
+        """The stack once its status is terminal (…_COMPLETE, …_FAILED); None if it does not exist."""
+        return self._poll(
+            lambda: self.stack(name), lambda s: s is None or bool(TERMINAL.search(s["StackStatus"])), name
+        )
 
     def failure_reason(self) -> str:
         """The first resource that failed in the endpoint stack's latest operation, with
@@ -262,16 +285,13 @@ class Lab:
         outputs = (self.stack() or {}).get("Outputs", [])
         return next((o["OutputValue"] for o in outputs if o["OutputKey"] == key), None)
 
-    def endpoint(self, name: str | None = None) -> dict[str, Any]:
-        return self.sagemaker.describe_endpoint(EndpointName=name or self.endpoint_name)
-
     def wait_endpoint(self) -> dict[str, Any]:
-        for _ in range(self.max_polls):
-            endpoint = self.endpoint()
-            if endpoint["EndpointStatus"] not in BUSY_ENDPOINT:
-                return endpoint
-            self.sleep(self.poll_s)
-        raise TimeoutError(f"{self.endpoint_name} still updating after {self.max_polls} polls")
+        """The endpoint once it is not Creating, Updating or RollingBack."""
+        return self._poll(
+            lambda: self.sagemaker.describe_endpoint(EndpointName=self.endpoint_name),
+            lambda endpoint: endpoint["EndpointStatus"] not in BUSY_ENDPOINT,
+            self.endpoint_name,
+        )
 
     def on_config(self, endpoint: dict[str, Any], config: str) -> bool:
         """Whether `endpoint` serves `config`, or the post-deploy check's parked copy of it."""

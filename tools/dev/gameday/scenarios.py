@@ -16,7 +16,7 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
-from decider_dev.gameday.lab import ENDPOINT_STACK, OTHER_INSTANCE, Deploy, Lab, tool_argv
+from decider_dev.gameday.lab import ENDPOINT_STACK, OTHER_INSTANCE, Deploy, Lab, context_args, tool_argv
 from decider_stacks.client_access import batch_prefix
 from decider_stacks.config import TRANSFORM_MODEL_OUTPUT
 
@@ -58,11 +58,13 @@ def _error(error: ClientError) -> str:
 def _observed(deploy: Deploy, endpoint: dict[str, Any], before: str) -> str:
     config = endpoint["EndpointConfigName"]
     which = "the previous config" if config == before else f"config {config}"
-    text = (
-        f"cdk deploy exit {deploy.exit_code} after {deploy.seconds:.0f} s; {ENDPOINT_STACK} {deploy.status}; "
-    )
-    text += f"endpoint {endpoint['EndpointStatus']} on {which}"
+    text = f"{deploy.line}; endpoint {endpoint['EndpointStatus']} on {which}"
     return f"{text}; {deploy.reason}" if deploy.reason else text
+
+
+def _untouched(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """The endpoint was not updated in between (same config, same LastModifiedTime)."""
+    return all(before.get(key) == after.get(key) for key in ("EndpointConfigName", "LastModifiedTime"))
 
 
 def _continue_rollback(lab: Lab) -> str:
@@ -80,10 +82,7 @@ def second_deploy(lab: Lab) -> Outcome:
     deploy = lab.deploy({})
     after = lab.wait_endpoint()
     observed = _observed(deploy, after, before["EndpointConfigName"])
-    untouched = after["EndpointConfigName"] == before["EndpointConfigName"] and after.get(
-        "LastModifiedTime"
-    ) == before.get("LastModifiedTime")
-    if deploy.exit_code == 0 and untouched:
+    if deploy.exit_code == 0 and _untouched(before, after):
         return Outcome("second-deploy", assumption, observed, True)
     return Outcome(
         "second-deploy",
@@ -156,9 +155,6 @@ def _refused_before_the_endpoint(
     deploy = lab.deploy(changes)
     after = lab.wait_endpoint()
     observed = _observed(deploy, after, before["EndpointConfigName"])
-    untouched = after["EndpointConfigName"] == before["EndpointConfigName"] and after.get(
-        "LastModifiedTime"
-    ) == before.get("LastModifiedTime")
     if deploy.ok:
         return Outcome(
             scenario, assumption, observed, False, "the guard let it through: see UpdateGuard's logs"
@@ -167,7 +163,7 @@ def _refused_before_the_endpoint(
         return Outcome(scenario, assumption, observed, False, _continue_rollback(lab))
     by_guard = "(Custom::UpdateGuard)" in deploy.reason
     fast = deploy.seconds <= REFUSAL_BUDGET_S
-    if deploy.status == "UPDATE_ROLLBACK_COMPLETE" and untouched and by_guard and fast:
+    if deploy.status == "UPDATE_ROLLBACK_COMPLETE" and _untouched(before, after) and by_guard and fast:
         return Outcome(scenario, assumption, observed, True)
     return Outcome(
         scenario,
@@ -201,12 +197,12 @@ def rename_refused(lab: Lab) -> Outcome:
     )
 
 
-def _batch_on(lab: Lab) -> Deploy | None:
-    """Turn batch_transform on unless the last deploy did; the failed deploy when it could not."""
+def _batch_on(lab: Lab) -> str | None:
+    """Turn batch_transform on unless the last deploy did; what happened when it could not."""
     if lab.context.items() >= BATCH_ON.items():
         return None
     deploy = lab.deploy(BATCH_ON)
-    return None if deploy.ok else deploy
+    return None if deploy.ok else f"turning batch_transform on failed: {deploy.line}; {deploy.reason}"
 
 
 def batch_transform(lab: Lab) -> Outcome:
@@ -217,9 +213,8 @@ def batch_transform(lab: Lab) -> Outcome:
     )
     failed = _batch_on(lab)
     if failed is not None:
-        observed = f"turning batch_transform on failed: {ENDPOINT_STACK} {failed.status}; {failed.reason}"
-        return Outcome("batch-transform", assumption, observed, False, "see the stack's events")
-    scratch, bucket = lab.scratch, lab.scratch.artifacts_bucket
+        return Outcome("batch-transform", assumption, failed, False, "see the stack's events")
+    bucket = lab.scratch.artifacts_bucket
     prefix = batch_prefix(lab.endpoint_name)
     request = {
         "state": "I was charged twice.",
@@ -229,12 +224,9 @@ def batch_transform(lab: Lab) -> Outcome:
     key = f"{prefix}input/requests.jsonl"
     lab.clients["s3"].put_object(Bucket=bucket, Key=key, Body=("\n".join(lines) + "\n").encode())
     job = f"{lab.endpoint_name}-batch"
-    argv = ["--region", scratch.region, *(["--profile", lab.cdk.profile] if lab.cdk.profile else [])]
-    argv += ["submit", "--variant", "cpu", "--job-name", job, "--wait"]
+    argv = [*lab.aws_args, "submit", "--variant", "cpu", "--job-name", job, "--wait"]
     argv += ["--input", f"s3://{bucket}/{prefix}input/", "--output", f"s3://{bucket}/{prefix}output/"]
-    for pair in sorted(lab.context.items()):
-        argv += ["-c", "=".join(pair)]
-    exit_code = lab.run_tool(tool_argv("decide-batch", argv))
+    exit_code = lab.run_tool(tool_argv("decide-batch", [*argv, *context_args(lab.context)]))
     if exit_code != 0:
         return Outcome(
             "batch-transform",
@@ -262,16 +254,14 @@ def prune_keeps_transform_model(lab: Lab) -> Outcome:
     )
     failed = _batch_on(lab)
     if failed is not None:
-        observed = f"turning batch_transform on failed: {ENDPOINT_STACK} {failed.status}; {failed.reason}"
-        return Outcome("prune-keeps-transform-model", assumption, observed, None)
+        return Outcome("prune-keeps-transform-model", assumption, failed, None)
     model = lab.output(TRANSFORM_MODEL_OUTPUT)
     if model is None:
         observed = f"{ENDPOINT_STACK} has no {TRANSFORM_MODEL_OUTPUT} output with batch_transform on"
         return Outcome(
             "prune-keeps-transform-model", assumption, observed, False, "see stacks/endpoint_stack.py"
         )
-    argv = ["prune", "--endpoint", lab.endpoint_name, "--keep", "0", "--region", lab.scratch.region]
-    argv += ["--profile", lab.cdk.profile] if lab.cdk.profile else []
+    argv = ["prune", "--endpoint", lab.endpoint_name, "--keep", "0", *lab.aws_args]
     exit_code = lab.run_tool(tool_argv("promote", argv))
     try:
         lab.sagemaker.describe_model(ModelName=model)
