@@ -195,6 +195,30 @@ def test_repeats_are_bounded_least_recently_used() -> None:
     assert repeats.get(b"b") is None and repeats.get(b"a") == {(): 1} and len(repeats) == 2
 
 
+def test_a_key_in_flight_is_followed_and_handed_over_once_read() -> None:
+    """Single flight: a follower gets the claimant's readouts when they are put, or None when the
+    claimant goes first; a gone follower is called by nobody, and nothing stays claimed."""
+    repeats = RepeatCache(4, metrics=NoMetrics())
+    leader, follower, gone = object(), object(), object()
+    got: list[Any] = []
+    repeats.claim(b"k", leader)
+    assert repeats.peek(b"k") and repeats.get(b"k") is None  # admission counts it answered; no readouts yet
+    assert repeats.claimed_by_other(b"k", follower) and not repeats.claimed_by_other(b"k", leader)
+    repeats.claim(b"k", follower)  # a second claim leaves the first claimant in place
+    assert repeats.claimed_by_other(b"k", follower)
+    repeats.follow(b"k", follower, got.append)
+    repeats.follow(b"k", gone, lambda _: pytest.fail("a follower that gave up is called"))
+    repeats.give_up(gone)
+    repeats.put(b"k", {(): 1})
+    assert got == [{(): 1}] and repeats.get(b"k") == {(): 1}
+    assert not repeats.claimed_by_other(b"k", follower)
+    repeats.claim(b"j", leader)
+    repeats.follow(b"j", follower, got.append)
+    repeats.give_up(leader)  # failed or cancelled: the follower decodes it itself
+    assert got[-1] is None and not repeats.peek(b"j") and not repeats.claimed_by_other(b"j", follower)
+    assert not repeats._claims and not repeats._followers
+
+
 def test_chat_turns_begin_the_prompt_and_leave_a_token_to_decode() -> None:
     """Exact hits of a chat turn: any kept turn that begins the prompt, the longest, and never the
     whole prompt (its last position must be decoded to sample the first token). States and chat turns
@@ -390,6 +414,65 @@ def test_an_exact_repeat_is_answered_without_a_decode(cached: DecisionEngine) ->
     assert (
         alone.extensions["decodes"] == 0 and distributions(alone)["refund"] == distributions(first)["refund"]
     )
+
+
+def submit_beside(engine: DecisionEngine, body: dict[str, Any], *, cancel_first: bool = False) -> list[Any]:
+    """`body` asked, and asked again during its first decode; with `cancel_first`, the first is
+    cancelled during its second decode, once the second follows it. Both requests' outcomes (the
+    first one's error if cancelled)."""
+    runtime, local = engine.runtime, engine._local
+    real = runtime.decode
+    request = parse_decision_request({**body, "extensions": True})
+    jobs = [local.admit("decision", uuid.uuid4().hex) for _ in range(2)]
+    futures: list[Any] = []
+    decodes = []
+
+    def second_arrives(rows: list[Row], **kwargs: Any) -> None:
+        decodes.append(len(rows))
+        if len(decodes) == 1:
+            futures.append(local.submit(jobs[1], engine.decision_work(engine.plan_decision(request))))
+        elif len(decodes) == 2 and cancel_first:
+            assert local.loop.caches.repeats._followers  # the second waits on the first's readouts
+            jobs[0].cancel()  # the abort callback stops this very decode
+        real(rows, **kwargs)
+
+    runtime.decode = second_arrives  # type: ignore[method-assign]
+    try:
+        futures.append(local.submit(jobs[0], engine.decision_work(engine.plan_decision(request))))
+        first = futures[0].exception(60) or futures[0].result()
+        second = futures[1].result(60)
+    finally:
+        runtime.decode = real  # type: ignore[method-assign]
+    return [first, second]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("cached", ["smollm2", "qwen35"], indirect=True)
+def test_the_same_request_sent_again_while_it_runs_waits_for_its_readouts(cached: DecisionEngine) -> None:
+    """An agent's retry, a coherence run's parallel asks: the second request decodes nothing, and its
+    answers are bitwise the first's."""
+    first, second = (decision_response(o) for o in submit_beside(cached, unique(EXAMPLE)))
+    assert first.extensions["decodes"] > 0 and second.extensions["decodes"] == 0
+    assert second.usage.cached_tokens == second.usage.input_tokens - len(cached.head_tokens)
+    assert distributions(second) == distributions(first)
+    assert second.extensions["timing"]["engine_seconds"] >= 0
+    repeats = cached._local.loop.caches.repeats
+    assert not repeats._claims and not repeats._followers
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("cached", ["smollm2", "qwen35"], indirect=True)
+def test_a_follower_decodes_for_itself_when_the_request_it_waits_on_goes(
+    cached: DecisionEngine, smollm2_uncached: DecisionEngine
+) -> None:
+    body = unique(EXAMPLE)
+    error, outcome = submit_beside(cached, body, cancel_first=True)
+    assert type(error).__name__ == "ClientGoneError"
+    second = decision_response(outcome)
+    assert second.extensions["decodes"] > 0
+    if not cached.runtime.recurrent:
+        assert_agree(distributions(second), distributions(decide(smollm2_uncached, body)))
+    assert decide(cached, body).extensions["decodes"] == 0  # and it was kept for the next repeat
 
 
 @pytest.mark.model

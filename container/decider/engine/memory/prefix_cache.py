@@ -64,7 +64,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -480,45 +480,95 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return low
 
 
+Answered = Callable[[dict[Any, Any] | None], None]  # a follower's callback: the readouts, or None
+
+
 class RepeatCache:
-    """Raw readouts of prompts already answered, bounded, least recently used first. Its lock lets
-    admission ask `peek` from the event loop while the engine thread reads and writes."""
+    """Raw readouts of prompts already answered, bounded, least recently used first, and the prompts
+    being answered now. Its lock lets admission ask `peek` from the event loop while the engine
+    thread reads and writes.
+
+    In flight (single flight): a work about to decode items `claim`s their keys. A later work whose
+    every open item is claimed by another (the same request sent again while the first runs: an
+    agent's retry, a coherence run's parallel asks) `follow`s them instead of decoding them again:
+    `put` hands it the readouts; if the claimant goes first (`give_up`: failed, cancelled), it gets
+    None and decodes them itself. Everything but `peek` runs on the engine thread."""
 
     def __init__(self, max_entries: int, *, metrics: Any) -> None:
         self.max_entries = max_entries
         self._metrics = metrics
         self._entries: OrderedDict[bytes, dict[Any, Any]] = OrderedDict()
+        self._claims: dict[bytes, object] = {}  # key -> the owner decoding it now
+        self._followers: dict[bytes, list[tuple[object, Answered]]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def peek(self, key: bytes) -> bool:
-        """Whether `key` is kept now (admission's estimate; no hit is counted)."""
+        """Whether `key` is kept now or being decoded (admission's estimate; no hit is counted)."""
         with self._lock:
-            return key in self._entries
+            return key in self._entries or key in self._claims
 
     def get(self, key: bytes) -> dict[Any, Any] | None:
         with self._lock:
             outputs = self._entries.get(key)
             if outputs is not None:
                 self._entries.move_to_end(key)
-        self._metrics.cache_lookups.labels("repeat", "miss" if outputs is None else "hit").inc()
+        if outputs is not None:
+            self._metrics.cache_lookups.labels("repeat", "hit").inc()
         return None if outputs is None else dict(outputs)
+
+    def claim(self, key: bytes, owner: object) -> None:
+        """`owner` decodes `key` (a miss); unless someone else already does."""
+        self._metrics.cache_lookups.labels("repeat", "miss").inc()
+        with self._lock:
+            self._claims.setdefault(key, owner)
+
+    def claimed_by_other(self, key: bytes, owner: object) -> bool:
+        with self._lock:
+            claimant = self._claims.get(key)
+        return claimant is not None and claimant is not owner
+
+    def follow(self, key: bytes, owner: object, then: Answered) -> None:
+        """`then` gets `key`'s readouts when its claimant puts them (None if it gives up)."""
+        self._metrics.cache_lookups.labels("repeat", "in_flight").inc()
+        self._followers.setdefault(key, []).append((owner, then))
 
     def put(self, key: bytes, outputs: dict[Any, Any]) -> None:
         with self._lock:
-            if key in self._entries:
+            self._claims.pop(key, None)
+            stored = key not in self._entries
+            if stored:
+                self._entries[key] = dict(outputs)
+            else:
                 self._entries.move_to_end(key)
-                return
-            self._entries[key] = dict(outputs)
             evicted = 0
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
                 evicted += 1
-        self._metrics.cache_stores.labels("repeat").inc()
+        if stored:
+            self._metrics.cache_stores.labels("repeat").inc()
         if evicted:
             self._metrics.cache_evictions.labels("repeat").inc(evicted)
+        for _, then in self._followers.pop(key, ()):
+            then(dict(outputs))
+
+    def give_up(self, owner: object) -> None:
+        """`owner` is gone: its claims' followers decode for themselves, and it follows nothing."""
+        with self._lock:
+            dropped = [key for key, claimant in self._claims.items() if claimant is owner]
+            for key in dropped:
+                del self._claims[key]
+        for key in list(self._followers):
+            kept = [(who, then) for who, then in self._followers[key] if who is not owner]
+            if kept:
+                self._followers[key] = kept
+            else:
+                del self._followers[key]
+        for key in dropped:
+            for _, then in self._followers.pop(key, ()):
+                then(None)
 
 
 def prompt_digest(namespace: str, tokens: Sequence[int]) -> hashlib.blake2b:

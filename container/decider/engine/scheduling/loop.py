@@ -254,10 +254,8 @@ class EngineLoop:
             waiting_ahead = waiting_ahead or step.refused_for_memory
             if running.work.started_units > units_before:
                 self._last_start = running
-            progressed = len(step.rows) > before or running.work.finished
-            if progressed and running.job.started_at is None:
-                running.job.started_at = now
-                self._metrics.queue_wait.labels(running.job.kind).observe(now - running.job.admitted_at)
+            if len(step.rows) > before or running.work.finished:
+                self._mark_started(running.job, now)
         self._cells_claimed = step.waiting_for_cells
         with self.cond:
             self.admission.update_gauges()
@@ -362,6 +360,7 @@ class EngineLoop:
             if not running.work.finished:
                 continue
             job = running.job
+            self._mark_started(job, now)  # finished without a row of its own: answered by another's
             with self.cond:
                 if running.work.kind == "chat":
                     end = running.work.natural_end  # type: ignore[attr-defined]
@@ -371,13 +370,13 @@ class EngineLoop:
                 self.epochs.leave(running)
                 self.admission.release(job)
                 self.admission.update_gauges()
-            if job.started_at is not None:
-                self._metrics.engine_seconds.labels(job.kind).observe(now - job.started_at)
-                running.work.timing = {
-                    "queue_seconds": job.started_at - job.admitted_at,
-                    "engine_seconds": now - job.started_at,
-                    "total_seconds": now - job.admitted_at,
-                }
+            assert job.started_at is not None
+            self._metrics.engine_seconds.labels(job.kind).observe(now - job.started_at)
+            running.work.timing = {
+                "queue_seconds": job.started_at - job.admitted_at,
+                "engine_seconds": now - job.started_at,
+                "total_seconds": now - job.admitted_at,
+            }
             if now > job.deadline:  # decided here, on the engine's clock: late is late
                 resolve(running.future, error=deadline_error(job, self.admission.deadline_seconds))
                 continue
@@ -388,6 +387,12 @@ class EngineLoop:
                 resolve(running.future, error=exc)
             else:
                 resolve(running.future, outcome)
+
+    def _mark_started(self, job: Job, now: float) -> None:
+        """The job's first row was planned (or it finished without one): its queue wait ends."""
+        if job.started_at is None:
+            job.started_at = now
+            self._metrics.queue_wait.labels(job.kind).observe(now - job.admitted_at)
 
     def _unblock(self) -> None:
         """No row fits although works are waiting: if nothing holds memory, the first can never run.

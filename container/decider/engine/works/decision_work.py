@@ -90,6 +90,7 @@ class _StateRun:
     repeated: int = 0
     repeats_checked: bool = False
     digest: Any = None
+    following: int = 0  # items another request is decoding now: the state waits for their readouts
 
     @property
     def cached_tokens(self) -> int:
@@ -184,7 +185,7 @@ class DecisionWork:
 
     @property
     def wants_start(self) -> bool:
-        return any(not state.started and state.open_items for state in self.states)
+        return any(not state.started and state.open_items and not state.following for state in self.states)
 
     @property
     def started_units(self) -> int:
@@ -217,7 +218,7 @@ class DecisionWork:
         for state in self.states:
             if not state.repeats_checked:
                 self._answer_repeats(state, step.caches)
-            if state.open_items == 0:
+            if state.open_items == 0 or state.following:
                 continue
             if not state.started and not self._start_state(state, step):
                 continue
@@ -231,22 +232,41 @@ class DecisionWork:
 
     # --- kept across requests -------------------------------------------------------------------
     def _answer_repeats(self, state: _StateRun, caches: Caches | None) -> None:
-        """Items already answered on this very prompt take their raw readouts from the repeat cache."""
+        """Items already answered on this very prompt take their raw readouts from the repeat cache.
+        If every other one is being decoded by another request now, the state waits for those
+        readouts and decodes nothing (`RepeatCache.follow`); else it claims what it decodes."""
         state.repeats_checked = True
         repeats = caches.repeats if caches is not None else None
         if repeats is None or self.plan.mode != "shared" or not state.pending:
             return
         assert caches is not None
         state.digest = self._digest(state, caches)
+        keys = {id(item): self._repeat_key(state, item) for item in state.pending}
         for item in list(state.pending):
-            outputs = repeats.get(self._repeat_key(state, item))
-            if outputs is None:
-                continue
-            item.outputs.update(outputs)
-            state.pending.remove(item)
-            del state.item_cells[id(item)]
-            state.open_items -= 1
-            state.repeated += len(item.tokens)
+            outputs = repeats.get(keys[id(item)])
+            if outputs is not None:
+                self._answered(state, item, outputs)
+        if state.pending and all(repeats.claimed_by_other(keys[id(item)], state) for item in state.pending):
+            state.following = len(state.pending)
+            for item in state.pending:
+                then = lambda outputs, item=item: self._followed(state, item, outputs)  # noqa: E731
+                repeats.follow(keys[id(item)], state, then)
+        else:
+            for item in state.pending:
+                repeats.claim(keys[id(item)], state)
+
+    def _answered(self, state: _StateRun, item: Item, outputs: dict[Any, Any]) -> None:
+        item.outputs.update(outputs)
+        state.pending.remove(item)
+        del state.item_cells[id(item)]
+        state.open_items -= 1
+        state.repeated += len(item.tokens)
+
+    def _followed(self, state: _StateRun, item: Item, outputs: dict[Any, Any] | None) -> None:
+        """Another request read `item` (its readouts), or gave up (None: this state decodes it)."""
+        state.following -= 1
+        if outputs is not None:
+            self._answered(state, item, outputs)
 
     def _digest(self, state: _StateRun, caches: Caches) -> Any:
         namespace = f"{caches.namespace}|extensions={bool(self.plan.options.extensions)}|{self.plan.space}"
@@ -285,6 +305,11 @@ class DecisionWork:
         repeats = self._caches.repeats if self._caches is not None else None
         if repeats is not None and state.digest is not None:
             repeats.put(self._repeat_key(state, item), item.outputs)
+
+    def _give_up(self, state: _StateRun) -> None:
+        repeats = self._caches.repeats if self._caches is not None else None
+        if repeats is not None:
+            repeats.give_up(state)
 
     def _unpin(self, state: _StateRun) -> None:
         if state.entry is not None:
@@ -508,6 +533,7 @@ class DecisionWork:
             if state.open_items == 0:
                 self._release(step.seqs, state, state.prefix_cells)
                 self._unpin(state)
+                self._give_up(state)  # nothing it claimed is left: a follower never waits on it
 
     @staticmethod
     def _release(seqs: SeqPool, state: _StateRun, cells: int, *, kept: bool = True) -> None:
@@ -530,6 +556,8 @@ class DecisionWork:
         self._held.clear()
         for state in self.states:
             self._unpin(state)
+            self._give_up(state)
+            state.following = 0
             state.branches.clear()
             state.filling.clear()
             state.seq = None
