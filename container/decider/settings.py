@@ -306,6 +306,15 @@ class Settings(BaseSettings):
     shutdown_grace_seconds: float = Field(
         25.0, ge=0, le=600, description="On SIGTERM, time given to in-flight requests."
     )
+    chat_share: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Beside a decode of other work that took over 0.2 s (CPU prefill), the generating "
+        "chats get decodes of their own for up to this share of its time, so they stream dozens of "
+        "tokens per such decode instead of one; the other work takes at most this much longer while "
+        "chats generate (decider.engine.scheduling.chat_pace). 0: a chat gets one token per decode.",
+    )
 
     # --- HTTP ------------------------------------------------------------------------------
     # InvokeEndpoint "strips all POST headers except those supported by the API" and is authorized by

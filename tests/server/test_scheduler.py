@@ -20,6 +20,7 @@ from server_fakes import FakeEngine, FakeRuntime, chars
 
 from decider.engine.model.labels import build_label_table
 from decider.engine.model.native import KvCacheFullError, NativeError, Row
+from decider.engine.scheduling.chat_pace import ChatPace
 from decider.engine.scheduling.jobs import Job
 from decider.engine.scheduling.loop import STALL_SECONDS
 from decider.engine.scheduling.scheduler import Scheduler
@@ -45,10 +46,18 @@ DECISION = {
 
 
 def _scheduler(
-    engine: FakeEngine, queue_size: int = 8, deadline: float = 5.0, epoch_cells: int | None = None
+    engine: FakeEngine,
+    queue_size: int = 8,
+    deadline: float = 5.0,
+    epoch_cells: int | None = None,
+    chat_share: float = 0.0,
 ) -> Scheduler:
     scheduler = Scheduler(
-        queue_size=queue_size, deadline_seconds=deadline, metrics=ServerMetrics(), epoch_cells=epoch_cells
+        queue_size=queue_size,
+        deadline_seconds=deadline,
+        metrics=ServerMetrics(),
+        epoch_cells=epoch_cells,
+        chat_share=chat_share,
     )
     scheduler.submit_unscheduled(lambda: scheduler.attach(engine.runtime, engine.head_tokens)).result(5)
     return scheduler
@@ -661,6 +670,79 @@ def test_a_chat_sent_after_a_large_batch_gets_its_first_token_within_a_few_steps
     assert waited < batch_seconds / 4, (waited, batch_seconds)
     assert batch_work.started_units == 16
     scheduler.close()
+
+
+def _chat_beside_batch(chat_share: float) -> tuple[list[tuple[bool, float]], float, float]:
+    """A 12-token chat sent once a batch of long states has started, each of the batch's decodes
+    taking about 0.2-0.4 s: every decode while both ran (whether it carried the chat alone, and its
+    seconds), the chat's seconds and the batch's."""
+    engine = FakeEngine(decode_seconds=0.005, token_seconds=0.0004, chat_tokens=12)
+    scheduler = _scheduler(engine, deadline=60.0, chat_share=chat_share)
+    decodes: list[tuple[bool, float]] = []
+    chat_running = threading.Event()
+    decode = engine.runtime.decode
+
+    def timed(rows: list[Row], **kwargs: Any) -> None:
+        began = time.monotonic()
+        decode(rows, **kwargs)
+        if chat_running.is_set() and not batch_work.finished:
+            decodes.append((all(row.seq_id == chat_seq[0] for row in rows), time.monotonic() - began))
+
+    engine.runtime.decode = timed  # type: ignore[method-assign]
+    states = [f"Ticket {i}: the payout failed again and the customer is upset. " * 12 for i in range(6)]
+    batch_work = engine.decision_work(
+        engine.plan_batch(parse_batch_request({"states": states, "questions": DECISION["questions"]}))
+    )
+    started = time.monotonic()
+    batch = scheduler.submit(_job(60.0), batch_work)
+    while not batch_work.started and time.monotonic() < started + 5:
+        time.sleep(0.002)
+    chat_work = ChatWork(ChatPlan(prompt=[1, 2, 3], max_tokens=12))
+    chat_seq: list[int | None] = [None]
+    chat_running.set()
+    chat_sent = time.monotonic()
+    chat = scheduler.submit(_job(60.0, kind="chat"), chat_work)
+    while chat_work._seq is None and not chat.done():
+        time.sleep(0.001)
+    chat_seq[0] = chat_work._seq
+    assert chat.result(30)[1] == "length"
+    chat_seconds = time.monotonic() - chat_sent
+    chat_running.clear()
+    batch.result(30)
+    scheduler.close()
+    return decodes, chat_seconds, time.monotonic() - started
+
+
+def test_a_chat_beside_long_decodes_gets_decodes_of_its_own_within_its_share() -> None:
+    """On CPU one decode of a batch's prefill takes seconds, and a chat got one token per decode.
+    With a share, the chat streams in decodes of its own (about one pass each), which take at most
+    that share of the long decodes' time (plus one: the last may overrun the credit)."""
+    decodes, chat_seconds, _ = _chat_beside_batch(0.25)
+    alone = [seconds for chat_only, seconds in decodes if chat_only]
+    shared = [seconds for chat_only, seconds in decodes if not chat_only]
+    assert len(alone) >= 6, decodes  # most of its 12 tokens came in decodes of its own
+    assert sum(alone) <= 0.25 * sum(shared) + max(alone), decodes
+    off, chat_seconds_off, _ = _chat_beside_batch(0.0)
+    assert not any(chat_only for chat_only, _ in off)  # share 0: a token per shared decode, as before
+    assert chat_seconds < chat_seconds_off / 2, (chat_seconds, chat_seconds_off)
+
+
+def test_the_chat_pace_earns_only_from_long_decodes_that_chats_waited_on() -> None:
+    pace = ChatPace(0.25)
+    pace.decoded(0.1, chats_alone=False, chats_waited=True)  # short: chats were paced well enough
+    assert not pace.chats_alone(True)
+    pace.decoded(2.0, chats_alone=False, chats_waited=False)  # nobody waited
+    assert not pace.chats_alone(True)
+    pace.decoded(2.0, chats_alone=False, chats_waited=True)
+    assert pace.credit == pytest.approx(0.5)
+    assert not pace.chats_alone(False) and pace.credit == 0  # the chats are gone: nothing is banked
+    pace.decoded(2.0, chats_alone=False, chats_waited=True)
+    for _ in range(2):
+        assert pace.chats_alone(True)
+        pace.decoded(0.3, chats_alone=True, chats_waited=False)
+    assert not pace.chats_alone(True)  # spent: the next decode is shared
+    pace.decoded(4.0, chats_alone=False, chats_waited=True)
+    assert pace.credit == pytest.approx(1.0)  # earned anew, never banked beyond one decode's share
 
 
 def test_a_failed_job_s_error_is_read_where_asyncio_sees_it() -> None:

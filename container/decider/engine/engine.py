@@ -259,6 +259,7 @@ class DecisionEngine:
                 deadline_seconds=3600,
                 epoch_cells=self.settings.epoch_limit,
                 cache_budget=self.cache_budget,
+                chat_share=self.settings.chat_share,
             )
             self._local.attach(self._rt, self.head_tokens, namespace=self.cache_namespace)
         now = time.monotonic()

@@ -97,6 +97,7 @@ class ServerRuntime:
             metrics=self.metrics,
             epoch_cells=settings.epoch_limit,
             cache_budget=settings.cache_budget,
+            chat_share=settings.chat_share,
         )
         self.intake = Intake(settings.parse_concurrency, max_waiting=settings.queue_size)
         self._loader = loader

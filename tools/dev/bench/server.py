@@ -26,12 +26,14 @@ all cores), side by side on the same requests:
 5. Mixed traffic. `--mixed-requests` of the sweep's requests (default 8), one at a time, alone and
    then again while `--mixed-chats` clients (default 4) keep streaming chats with the default
    max_tokens beside them; `decision_p50_ratio` / `decision_p95_ratio` = beside / alone (1.0: the
-   chats cost the decisions nothing), and how the chats ended (`cut`: closed at the level's end).
+   chats cost the decisions nothing), `chat_tokens_per_second` = every chat's streamed tokens while
+   the decisions ran beside them, and how the chats ended (`cut`: closed at the level's end);
+   `--levels mixed` runs it alone, on a fresh server.
    A batch beside a chat (`batch_chat`, on a fresh server, caches off as above): one
    `/v1/systemone/batch` of `--batch-chat-states` states (default 16), and a streaming chat sent 1 s
    after it. `chat_ttft_vs_target` = the chat's time to first token beside the batch / issue 34's
    bound, max(5 x the chat's alone, a quarter of the batch's time alone) (at most 1: met);
-   `chat_gap_beside` = the median gap between its later tokens (one per step of the batch);
+   `chat_gap_beside` = the median gap between its later tokens;
    `batch_beside_over_alone` = what the chat cost the batch.
 6. Multi-turn chat. `--multi-turn-conversations` conversations (default 3) of `--turns` turns
    (default 5, greedy, 64 tokens per answer), each turn carrying the earlier ones, each conversation
@@ -580,10 +582,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--levels",
         default="all",
-        choices=("all", "traffic", "repeat", "hybrid", "multi_turn", "batch_chat", "host"),
+        choices=("all", "traffic", "repeat", "hybrid", "multi_turn", "batch_chat", "mixed", "host"),
         help="'all'; 'traffic' for the repeat and hybrid levels alone, 'repeat' or 'hybrid' for one of "
         "them, 'multi_turn' for the multi-turn chat alone, 'batch_chat' for a chat beside a batch alone, "
-        "'host' for the host-memory tier's level alone (default all; it has no 'host')",
+        "'mixed' for decisions beside chats alone, 'host' for the host-memory tier's level alone "
+        "(default all; it has no 'host')",
     )
     args = parser.parse_args(argv)
     if args.levels in ("traffic", "repeat", "hybrid"):
@@ -592,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         return multi_turn_main(args)
     if args.levels == "batch_chat":
         return batch_chat_main(args)
+    if args.levels == "mixed":
+        return mixed_main(args)
     if args.levels == "host":
         return host_main(args)
     if args.quick:
@@ -975,6 +980,7 @@ class MixedResult:
     alone: Level
     beside: Level
     chat_ends: dict[str, int] = field(default_factory=dict)  # finish reason or error code -> chats
+    chat_tokens_per_second: float = math.nan  # every chat's streamed tokens while the decisions ran
 
     def line(self) -> str:
         p50 = (percentile(self.alone.latencies, 50), percentile(self.beside.latencies, 50))
@@ -988,6 +994,7 @@ class MixedResult:
                 ("p50_beside", p50[1]),
                 ("p95_alone", p95[0]),
                 ("p95_beside", p95[1]),
+                ("chat_tokens_per_second", self.chat_tokens_per_second),
                 ("decision_errors", str(self.beside.errors)),
                 ("chat_ends", ",".join(f"{k}:{v}" for k, v in sorted(self.chat_ends.items())) or "none"),
             ),
@@ -995,10 +1002,12 @@ class MixedResult:
         )
 
 
-def _chat_until(base_url: str, seed: int, stop: threading.Event, generating: threading.Barrier) -> list[str]:
+def _chat_until(
+    base_url: str, seed: int, stop: threading.Event, generating: threading.Barrier, arrivals: list[float]
+) -> list[str]:
     """Stream chats (default max_tokens) one after another until `stop`; each one's end: its
     finish_reason, `cut` when `stop` closed it, or its error code. Waits at `generating` once its
-    first chat has a token (or has failed)."""
+    first chat has a token (or has failed); the time of every token it streams goes to `arrivals`."""
     body = {"messages": [{"role": "user", "content": MIXED_CHAT_PROMPT}], "temperature": 1.0, "stream": True}
     ends: list[str] = []
     waited = threading.Event()
@@ -1026,6 +1035,7 @@ def _chat_until(base_url: str, seed: int, stop: threading.Event, generating: thr
                     elif chunk.get("choices") and chunk["choices"][0].get("finish_reason"):
                         end = chunk["choices"][0]["finish_reason"]
                     elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                        arrivals.append(time.perf_counter())
                         ready()
                     if stop.is_set():
                         break
@@ -1040,24 +1050,50 @@ def measure_mixed(base_url: str, bodies: list[dict[str, Any]], chats: int) -> Mi
     stop = threading.Event()
     generating = threading.Barrier(chats + 1)
     threads: list[tuple[threading.Thread, list[list[str]]]] = []
+    arrivals: list[float] = []  # list.append is atomic: the chat threads share it
     for seed in range(chats):
         out: list[list[str]] = []
         thread = threading.Thread(
-            target=lambda seed=seed, out=out: out.append(_chat_until(base_url, seed, stop, generating)),
+            target=lambda seed=seed, out=out: out.append(
+                _chat_until(base_url, seed, stop, generating, arrivals)
+            ),
             daemon=True,
         )
         thread.start()
         threads.append((thread, out))
     with contextlib.suppress(threading.BrokenBarrierError):
         generating.wait(120)  # every chat is generating
+    started = time.perf_counter()
     beside = measured_level(base_url, "/invocations", bodies, 1, None)
+    ended = time.perf_counter()
     stop.set()
     ends: dict[str, int] = {}
     for thread, out in threads:
         thread.join(CLIENT_TIMEOUT_SECONDS)
         for end in out[0] if out else ["client_hung"]:
             ends[end] = ends.get(end, 0) + 1
-    return MixedResult(chats, alone, beside, ends)
+    streamed = sum(1 for at in arrivals if started <= at <= ended)
+    return MixedResult(chats, alone, beside, ends, streamed / (ended - started))
+
+
+def mixed_main(args: Any) -> int:
+    """The mixed level alone, on a fresh server with the caches off (as in 'all'); 1 if a request failed."""
+    from decider.engine.model.bundled import smollm2_path
+    from decider.settings import Settings
+
+    fields = {**model_settings(args, smollm2_path()), **NO_CACHES}
+    env = {Settings.env_name(name): str(value) for name, value in fields.items()}
+    bodies = [request_body(case, extensions=True) for case in spread(load_cases(args.cases), args.requests)]
+    with run_local_server(env) as server:
+        run_clients(server.base_url, "/invocations", bodies[-1:], 1, None)  # warm-up
+        results = [
+            measure_mixed(server.base_url, spread(bodies, args.mixed_requests), chats)
+            for chats in (int(n) for n in args.mixed_chats.split(",") if n.strip())
+            if chats > 0
+        ]
+    for result in results:
+        print(result.line())
+    return 1 if any(result.beside.errors or result.alone.errors for result in results) else 0
 
 
 # --- a chat beside a batch: issue 34's first-come gate per unit -------------------------------------------

@@ -31,6 +31,7 @@ from decider.engine.memory.prefix_cache import Caches, RepeatCache, StateCache
 from decider.engine.memory.sequences import SeqPool
 from decider.engine.model.native import DecodeAbortedError, KvCacheFullError, NativeError, Row
 from decider.engine.scheduling.admission import Admission
+from decider.engine.scheduling.chat_pace import ChatPace
 from decider.engine.scheduling.cost import Cost, span_attended
 from decider.engine.scheduling.epochs import MemoryEpochs
 from decider.engine.scheduling.jobs import (
@@ -81,8 +82,10 @@ class EngineLoop:
         *,
         metrics: Any,
         epochs: MemoryEpochs,
+        chat_share: float = 0.0,
     ) -> None:
         self.cond = cond
+        self.pace = ChatPace(chat_share)
         self.works = works
         self.admission = admission
         self.epochs = epochs
@@ -133,7 +136,12 @@ class EngineLoop:
             if not self._head_ready:
                 self.decode_head(backend)
             self.epochs.maybe_compact(self.seqs, self.works)
-            step = self._plan(backend)
+            began = time.monotonic()  # the pace counts a step's planning and reading, not only its decode
+            alone = self.pace.chats_alone(self._chats_waiting())
+            step = self._plan(backend, chats_alone=alone)
+            if alone and not step.rows:  # no chat could plan a row: the shared decode runs
+                alone = self.pace.chats_alone(False)
+                step = self._plan(backend)
             if step.rows:
                 self._stalled_since = None
             elif any(r.work.finished for r in self.works):  # answered from the caches, no decode
@@ -145,6 +153,9 @@ class EngineLoop:
                     self.cond.wait(timeout=0.01)
                 return
             self._execute(backend, step)
+            others = any(planned.work.kind != "chat" for planned in step.rows)
+            waited = others and self._chats_waiting()
+            self.pace.decoded(time.monotonic() - began, chats_alone=alone, chats_waited=waited)
         except NativeError as exc:  # not a full cache, not an abort: the context itself failed
             log.exception("llama.cpp failed; every running request fails and the memory is reset")
             self.reset(backend, exc)
@@ -204,7 +215,12 @@ class EngineLoop:
             need -= 1
             free = self._free_cells(backend) - self._cells_claimed
 
-    def _plan(self, backend: Backend) -> Step:
+    def _chats_waiting(self) -> bool:
+        return any(r.work.kind == "chat" and not r.work.finished for r in self.works)
+
+    def _plan(self, backend: Backend, *, chats_alone: bool = False) -> Step:
+        """The next decode's rows. `chats_alone` (ChatPace): the chats' rows only, those of started
+        chats and of the oldest work that has not run yet if it is a chat."""
         assert self.seqs is not None
         self._make_room_for_chats(backend)
         policy = backend.policy
@@ -221,7 +237,9 @@ class EngineLoop:
             caches=self.caches,
             equal_rows=equal_rows,
             long_row=policy.n_ubatch // 2,
-            start_below_tokens=policy.n_ubatch,
+            # The start rule keeps shared decodes full without holding idle cells; a chats-only
+            # decode is short by design, and a chat started there has its first token at once.
+            start_below_tokens=0 if chats_alone else policy.n_ubatch,
         )
         step.branch_reserve = sum(r.work.footprint().prefix_seqs for r in self.works)
         epoch_full = self.epochs.full(self.seqs, self.works)
@@ -229,6 +247,9 @@ class EngineLoop:
         order = [r for r in self.works if r.work.kind == "chat" and r.started] + [
             r for r in self.works if not (r.work.kind == "chat" and r.started)
         ]
+        if chats_alone:  # the started chats, and the oldest work that never ran if it is a chat
+            first = next((r for r in self.works if not r.started), None)
+            order = [r for r in order if r.work.kind == "chat" and (r.work.started or r is first)]
         # Starts are first come, first served, per unit: a unit refused for want of cells or
         # sequences closes the gate behind it (a large request is never starved). A unit held back
         # by the start rule alone does not. And a work that has started units (a batch's states)

@@ -83,6 +83,7 @@ class Scheduler:
         deadline_seconds: float,
         metrics: Any = None,
         epoch_cells: int | None = None,
+        chat_share: float = 0.0,
         cache_budget: CacheBudget | None = None,
     ) -> None:
         self.cache_budget = cache_budget or CacheBudget()  # default: nothing kept across requests
@@ -93,7 +94,12 @@ class Scheduler:
             queue_size=queue_size, deadline_seconds=deadline_seconds, metrics=metrics, works=self._works
         )
         self.loop = EngineLoop(
-            self._cond, self._works, self.admission, metrics=metrics, epochs=MemoryEpochs(epoch_cells)
+            self._cond,
+            self._works,
+            self.admission,
+            metrics=metrics,
+            epochs=MemoryEpochs(epoch_cells),
+            chat_share=chat_share,
         )
         self._control: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._closed = False
