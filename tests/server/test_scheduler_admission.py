@@ -34,8 +34,10 @@ from decider.settings import CacheBudget
 QUESTIONS = {"billing": {"type": "noul", "instructions": "Is this about billing?"}}
 
 
-def _scheduler(engine: FakeEngine, deadline: float = 5.0) -> Scheduler:
-    scheduler = Scheduler(queue_size=8, deadline_seconds=deadline, metrics=ServerMetrics())
+def _scheduler(engine: FakeEngine, deadline: float = 5.0, chat_share: float = 0.0) -> Scheduler:
+    scheduler = Scheduler(
+        queue_size=8, deadline_seconds=deadline, metrics=ServerMetrics(), chat_share=chat_share
+    )
     scheduler.submit_unscheduled(lambda: scheduler.attach(engine.runtime, engine.head_tokens)).result(5)
     return scheduler
 
@@ -117,13 +119,16 @@ def test_the_work_ahead_counts_a_running_chat_at_the_measured_length() -> None:
     scheduler.close()
 
 
-@pytest.mark.parametrize("chats", [0, 4, 8])
-def test_a_decision_beside_running_chats_is_admitted_and_done_when_estimated(chats: int) -> None:
+@pytest.mark.parametrize(("chats", "chat_share"), [(0, 0.0), (4, 0.0), (8, 0.0), (4, 0.25)])
+def test_a_decision_beside_running_chats_is_admitted_and_done_when_estimated(
+    chats: int, chat_share: float
+) -> None:
     """Chats with the default max_tokens (1024 decodes of 30 ms, 30 s each at most) run: a decision
     beside them shares their decodes, is admitted within a 55 s deadline, and takes what admission
-    estimated (0.8–1.25 of it)."""
+    estimated (0.8–1.25 of it). With a chat share, its decodes of 0.2 s and more give the chats
+    decodes of their own: the estimate counts them, so it is not short of the time taken."""
     engine = FakeEngine(decode_seconds=0.03, token_seconds=0.0003, chat_tokens=100_000)
-    scheduler = _scheduler(engine, deadline=55)
+    scheduler = _scheduler(engine, deadline=55, chat_share=chat_share)
     for size in (50, 400, 900, 120):
         _timed(scheduler, _work(engine, size))
     running = [scheduler.enqueue("chat", f"c{i}", ChatWork(ChatPlan([1] * 10, 1024))) for i in range(chats)]
@@ -132,11 +137,12 @@ def test_a_decision_beside_running_chats_is_admitted_and_done_when_estimated(cha
     while chats and len(engine.calls) < decodes + 3 and time.monotonic() < deadline:  # they generate
         time.sleep(0.005)
     started = time.monotonic()
-    job = scheduler.enqueue("decision", "beside", _work(engine, 600))
+    job = scheduler.enqueue("decision", "beside", _work(engine, 3000 if chat_share else 600))
     assert decision_response(job.future.result(30)).answers  # type: ignore[union-attr]
     measured = time.monotonic() - started
     assert job.estimate is not None
     assert 0.8 <= job.estimate / measured <= 1.25, (job.estimate, measured)
+    assert not chat_share or job.estimate >= 0.95 * measured, (job.estimate, measured)
     assert all(not chat.future.done() for chat in running)  # type: ignore[union-attr]  # beside them
     for chat in running:
         chat.cancel()

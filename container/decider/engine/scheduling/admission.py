@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from decider.engine.scheduling.chat_pace import ChatPace
 from decider.engine.scheduling.cost import Cost, CostModel
 from decider.engine.scheduling.jobs import Job
 from decider.errors import OverloadedError, RequestExceedsDeadlineError, UnavailableError
@@ -134,9 +135,16 @@ class Admission:
     """
 
     def __init__(
-        self, *, queue_size: int, deadline_seconds: float, metrics: Any, works: Sequence[Running]
+        self,
+        *,
+        queue_size: int,
+        deadline_seconds: float,
+        metrics: Any,
+        works: Sequence[Running],
+        pace: ChatPace | None = None,
     ) -> None:
         self.queue_size = queue_size
+        self.pace = pace or ChatPace(0.0)  # chats' decodes of their own (the loop's)
         self.deadline_seconds = deadline_seconds
         self.admitted: set[Job] = set()  # admitted, not yet finished (includes not yet submitted)
         self.costs = CostModel()  # seconds per decode, fitted to the decodes timed so far
@@ -178,6 +186,8 @@ class Admission:
                     "with nothing else running; send fewer questions or states per request"
                 )
             estimate = self._finish_seconds(least, ahead, now)
+            if kind != "chat" and any(job.kind == "chat" for job in self.admitted):
+                estimate *= self.pace.stretch  # the chats beside it may take their share of its decodes
             # Only work ahead can make a request that fits alone miss its deadline, and then a
             # retry can succeed once that work is done. On an idle engine the request is tried.
             if ahead and estimate * ESTIMATE_MARGIN > deadline - now:

@@ -28,6 +28,12 @@ class ChatPace:
     share: float
     credit: float = 0.0
 
+    @property
+    def stretch(self) -> float:
+        """The most that chats running beside other work can stretch that work's time (admission's
+        estimate of a decision admitted while chats run)."""
+        return 1.0 + self.share
+
     def chats_alone(self, chats: bool) -> bool:
         """Whether the next decode carries the chats alone (`chats`: some are running or waiting)."""
         if not chats:

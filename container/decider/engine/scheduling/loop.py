@@ -82,10 +82,10 @@ class EngineLoop:
         *,
         metrics: Any,
         epochs: MemoryEpochs,
-        chat_share: float = 0.0,
+        pace: ChatPace | None = None,
     ) -> None:
         self.cond = cond
-        self.pace = ChatPace(chat_share)
+        self.pace = pace or ChatPace(0.0)
         self.works = works
         self.admission = admission
         self.epochs = epochs

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from decider.engine.model.native import NativeError
 from decider.engine.scheduling.admission import Admission
+from decider.engine.scheduling.chat_pace import ChatPace
 from decider.engine.scheduling.cost import Cost
 from decider.engine.scheduling.epochs import MemoryEpochs
 from decider.engine.scheduling.jobs import Job, Running, deadline_error, resolve, shutting_down
@@ -90,8 +91,13 @@ class Scheduler:
         metrics = metrics if metrics is not None else NoMetrics()
         self._cond = threading.Condition()
         self._works: list[Running] = []  # in admission order; changed only under _cond
+        pace = ChatPace(chat_share)
         self.admission = Admission(
-            queue_size=queue_size, deadline_seconds=deadline_seconds, metrics=metrics, works=self._works
+            queue_size=queue_size,
+            deadline_seconds=deadline_seconds,
+            metrics=metrics,
+            works=self._works,
+            pace=pace,
         )
         self.loop = EngineLoop(
             self._cond,
@@ -99,7 +105,7 @@ class Scheduler:
             self.admission,
             metrics=metrics,
             epochs=MemoryEpochs(epoch_cells),
-            chat_share=chat_share,
+            pace=pace,
         )
         self._control: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._closed = False
