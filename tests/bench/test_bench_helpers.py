@@ -286,10 +286,10 @@ def test_the_mixed_line_sets_decisions_beside_chats_against_decisions_alone():
     alone = Level(1, [Outcome(i, seconds, 200) for i, seconds in enumerate([1.0, 1.0, 2.0])])
     beside = Level(1, [Outcome(i, seconds, 200) for i, seconds in enumerate([1.5, 1.5, 4.0])])
     beside.outcomes.append(Outcome(3, 9.0, "503 deadline_unreachable"))
-    line = MixedResult(4, alone, beside, {"cut": 4, "stop": 2}).line()
+    line = MixedResult(4, alone, beside, {"cut": 4, "stop": 2}, 27.25).line()
     assert line == (
         "mixed_chats=4 decision_p50_ratio=1.500 decision_p95_ratio=1.974 p50_alone=1.000 "
-        "p50_beside=1.500 p95_alone=1.900 p95_beside=3.750 "
+        "p50_beside=1.500 p95_alone=1.900 p95_beside=3.750 chat_tokens_per_second=27.250 "
         "decision_errors={'503 deadline_unreachable': 1} chat_ends=cut:4,stop:2"
     )
 
