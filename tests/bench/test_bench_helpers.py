@@ -28,6 +28,7 @@ from decider_dev.bench.server import (
     MixedResult,
     MultiTurn,
     Outcome,
+    TrafficLevel,
     Turn,
     concurrency_line,
     counter_delta,
@@ -382,3 +383,14 @@ def test_the_schema_fuzz_tells_best_effort_s_price_from_a_bug() -> None:
     bug = '{"tags": []}'  # breaks `required`, which best effort enforces
     assert validates(schema, bug) is False and validates(enforced, bug) is False
     assert validates(enforced, '{"mode": "x", "if": 3}') is False  # the property "if" is still checked
+
+
+def test_a_traffic_line_sets_another_tree_against_the_same_text_route():
+    """`--against REV`: our side on that tree's server beside ours, both against one llama-server run."""
+    ours = Level(1, [Outcome(0, 10.0, 200)], wall_seconds=10.0)
+    older = Level(1, [Outcome(0, 12.5, 200), Outcome(1, 1.0, "503 deadline_unreachable")], wall_seconds=12.5)
+    text = type("TextRun", (), {"wall_seconds": 30.0, "prompt_tokens": 900, "errors": 0})()
+    line = TrafficLevel("hybrid_repeat", 4, ours, text, older).line()
+    assert "level=hybrid_repeat concurrency=4 decision_vs_text=3.00 " in line
+    assert " against_vs_text=2.40 against_seconds=12.50 " in line and " errors=1 " in line
+    assert "against" not in TrafficLevel("hybrid", 1, ours, text).line()

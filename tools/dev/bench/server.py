@@ -51,14 +51,17 @@ all cores), side by side on the same requests:
      once under .bench/), the production model's architecture.
    Each line has both sides' wall seconds and evaluated tokens (ours: the tokens decoded, from
    /metrics; theirs: `timings.prompt_n`) and the tokens our responses report as cached. Without
-   llama-server, our side is printed alone (`decision_vs_text=nan`).
+   llama-server, our side is printed alone (`decision_vs_text=nan`). `--against REV` also runs our
+   side on that git revision's container package (a worktree under .bench/trees/, this checkout's
+   environment) right after ours, against the same llama-server run (`against_vs_text`): a ratio an
+   issue quotes from another machine is checked against the tree it was measured on, here.
    - `host` (the host-memory tier, `DECIDER_STATE_CACHE_HOST_MIB`; not part of `all` or `traffic`):
      `--host-states` cases (default 12: more than the 8 sequences kept in the context) asked twice,
      round robin, the first half of each case's questions and then the second half (new questions,
      so exact repeats answer nothing: each state must be prefilled again or come back), on a fresh
      server with the defaults and then on one with `DECIDER_STATE_CACHE_HOST_MIB=0`, one client;
      `host_vs_device_only` = the second's wall time / the first's (above 1: the tier pays).
-   `--levels multi_turn`, `batch_chat`, `repeat`, `hybrid` or `host` runs that level alone.
+   `--levels multi_turn`, `batch_chat`, `mixed`, `repeat`, `hybrid` or `host` runs that level alone.
    Phases 1-5 ask each case once, and the sweep asks the same requests at every level: there the
    server runs with both caches off (DECIDER_STATE_CACHE_SEQS=0, DECIDER_REPEAT_CACHE_ENTRIES=0), so
    that a level is never a replay of the one before.
@@ -95,6 +98,7 @@ import json
 import math
 import queue
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -580,6 +584,12 @@ def main(argv: list[str] | None = None) -> int:
         help="cases of the host level, each asked twice (default 12: more than the 8 kept sequences)",
     )
     parser.add_argument(
+        "--against",
+        default=None,
+        help="with the traffic levels: also run our side on this git revision's container package "
+        "(e.g. the tree an issue was filed on), against the same llama-server runs (against_vs_text=)",
+    )
+    parser.add_argument(
         "--levels",
         default="all",
         choices=("all", "traffic", "repeat", "hybrid", "multi_turn", "batch_chat", "mixed", "host"),
@@ -722,9 +732,19 @@ class TrafficLevel:
     clients: int
     ours: Level
     text: Any = None  # TextRun, or None without llama-server
+    against: Level | None = None  # the same on another tree's server (`--against`)
 
     def line(self) -> str:
         text_seconds = self.text.wall_seconds if self.text is not None else math.nan
+        levels = [self.ours] if self.against is None else [self.ours, self.against]
+        errors = sum(sum(level.errors.values()) for level in levels) + (self.text.errors if self.text else 0)
+        against: tuple[tuple[str, float | str], ...] = ()
+        if self.against is not None:
+            against = (
+                ("against_vs_text", ratio(text_seconds, self.against.wall_seconds)),
+                ("against_seconds", f"{self.against.wall_seconds:.2f}"),
+                ("against_tokens", f"{self.against.decoded_tokens:.0f}"),
+            )
         return key_values(
             (
                 ("level", self.name),
@@ -735,7 +755,8 @@ class TrafficLevel:
                 ("decision_tokens", f"{self.ours.decoded_tokens:.0f}"),
                 ("cached_tokens", str(self.ours.cached_tokens)),
                 ("text_prompt_tokens", str(self.text.prompt_tokens) if self.text is not None else "-"),
-                ("errors", str(sum(self.ours.errors.values()) + (self.text.errors if self.text else 0))),
+                *against,
+                ("errors", str(errors)),
                 ("error_codes", ",".join(f"{code}:{n}" for code, n in self.ours.errors.items()) or "-"),
             )
         )
@@ -775,13 +796,18 @@ def traffic_levels(
     asked: list[Any],
     warm_up: tuple[dict[str, Any], list[Any]],
     binary: Path | None,
+    against: Path | None = None,
 ) -> list[TrafficLevel]:
-    """`bodies` on a fresh server with `env`, then their questions (`asked`) on a fresh llama-server,
-    at each of TEXT_ROUTE_CLIENTS; both warmed up on a case outside the measured ones."""
+    """`bodies` on a fresh server with `env` (and on one running the `against` tree's container
+    package, if given), then their questions (`asked`) on a fresh llama-server, at each of
+    TEXT_ROUTE_CLIENTS; each warmed up on a case outside the measured ones."""
     levels = []
     for clients in TEXT_ROUTE_CLIENTS:
         console.print(f"[dim]{name}: {clients} client(s), {len(bodies)} requests…[/]")
         ours = fresh_server_level(env, bodies, clients, warm_up[0])
+        other = None
+        if against is not None:
+            other = fresh_server_level({**env, "PYTHONPATH": str(against)}, bodies, clients, warm_up[0])
         text = None
         if binary is not None:
             try:
@@ -796,7 +822,7 @@ def traffic_levels(
                     text = run_text_route(llama.base_url, asked, clients)
             except RuntimeError as exc:
                 console.print(f"[red]{name}: text route skipped: {exc}[/]")
-        levels.append(TrafficLevel(name, clients, ours, text))
+        levels.append(TrafficLevel(name, clients, ours, text, other))
     return levels
 
 
@@ -823,9 +849,12 @@ def traffic_main(args: Any, which: str = "traffic") -> int:
     asked_once, asked_repeated = text_questions(engine, once), text_questions(engine, repeated)
     engine.close()
     env = {Settings.env_name(name): str(value) for name, value in fields.items()}
+    against = against_tree(args.against) if args.against else None
     levels = []
     if which in ("traffic", "repeat"):
-        levels += traffic_levels(console, "repeat", env, settings, repeated, asked_repeated, warm_up, binary)
+        levels += traffic_levels(
+            console, "repeat", env, settings, repeated, asked_repeated, warm_up, binary, against
+        )
     if which in ("traffic", "hybrid"):
         hybrid = hybrid_model(args.hybrid_layers, args.hybrid_embd, smollm2_path())
         hybrid_fields = {**fields, "model_path": hybrid}
@@ -836,11 +865,28 @@ def traffic_main(args: Any, which: str = "traffic") -> int:
             ("hybrid_repeat", repeated, asked_repeated),
         ):
             levels += traffic_levels(
-                console, name, hybrid_env, hybrid_settings, bodies, asked, warm_up, binary
+                console, name, hybrid_env, hybrid_settings, bodies, asked, warm_up, binary, against
             )
     for level in levels:
         print(level.line())
     return 1 if any(level.ours.errors or (level.text and level.text.errors) for level in levels) else 0
+
+
+def against_tree(revision: str) -> Path:
+    """The container package of `revision`, checked out once under .bench/trees/ (a git worktree):
+    its server runs with this checkout's environment, so only the engine and server code differ."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{revision}^{{commit}}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    tree = BENCH_DIR / "trees" / commit[:12]
+    if not (tree / "container" / "decider").is_dir():
+        subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, check=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--force", "--detach", str(tree), commit],
+            cwd=REPO_ROOT, check=True, capture_output=True,
+        )  # fmt: skip
+    return tree / "container"
 
 
 def halves(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
