@@ -869,7 +869,11 @@ def traffic_main(args: Any, which: str = "traffic") -> int:
             )
     for level in levels:
         print(level.line())
-    return 1 if any(level.ours.errors or (level.text and level.text.errors) for level in levels) else 0
+    failed = any(
+        level.ours.errors or (level.against and level.against.errors) or (level.text and level.text.errors)
+        for level in levels
+    )
+    return 1 if failed else 0
 
 
 def against_tree(revision: str) -> Path:
