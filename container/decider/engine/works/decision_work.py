@@ -17,109 +17,17 @@ models cannot truncate). Fresh mode decodes each question's whole prompt in its 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-from decider.engine.memory.prefix_cache import CachedState, Caches, prompt_digest, repeat_key
+from decider.engine.memory.prefix_cache import Caches, RepeatCache
 from decider.engine.memory.sequences import SeqPool
 from decider.engine.model.labels import READOUT_CHAIN
 from decider.engine.model.native import OutputSpec, Row
 from decider.engine.scheduling.cost import Cost
 from decider.engine.scheduling.steps import Step, Unit
 from decider.engine.scheduling.work import Footprint
-from decider.engine.works.decisions import (
-    DecisionOutcome,
-    DecisionPlan,
-    DecisionPlanner,
-    Item,
-    Prefix,
-    StatePlan,
-)
+from decider.engine.works.decisions import DecisionOutcome, DecisionPlan, DecisionPlanner, Item, Prefix
+from decider.engine.works.state_run import Branch, Fill, StateRun
 from decider.invariance import HEAD_SEQ
-
-
-@dataclass(eq=False)
-class _Branch:
-    """A sequence holding one item's prompt plus `prefix` label tokens, up to position `end`."""
-
-    item: Item
-    prefix: Prefix
-    seq: int
-    end: int
-    children: deque[Prefix]
-
-
-@dataclass(eq=False)
-class _Fill:
-    """A branch whose prompt tokens are being decoded, possibly over several steps."""
-
-    item: Item
-    seq: int
-    tokens: Sequence[int]
-    start: int  # position of tokens[0]
-    planned: int = 0
-
-
-@dataclass(eq=False)
-class _StateRun:
-    plan: StatePlan
-    pending: deque[Item]
-    open_items: int
-    item_cells: dict[int, int]  # id(item) -> cells its branches take (tail + label positions)
-    prefix_cells: int  # the shared prefix's cells (0 in fresh mode: every branch holds its whole prompt)
-    seq: int | None = None  # the prefix sequence, while branches are still to be copied from it
-    # Sequences a branch of this state takes to open: 2 when any item's labels span several tokens
-    # (its branch and their label positions, `_fits`), else 1 (Step.has_sequences: the one rule).
-    branch_seqs: int = 1
-    started: bool = False
-    streaming: bool = False  # too large for one epoch: branches are freed as they finish
-    prefilled: int = 0
-    decoded: int = 0
-    released: int = 0
-    dead: int = 0
-    opened: int = 0  # cells of the items taken from `pending` and not closed yet
-    branches: list[_Branch] = field(default_factory=list)  # read, with children still to start
-    filling: list[_Fill] = field(default_factory=list)  # opened, prompt not fully decoded yet
-    # Kept across requests (decider.engine.memory.prefix_cache): the canonical boundary in the prefix
-    # (None: no state is kept for it), the kept state it started from, how many prefix tokens that
-    # covered, and the tail tokens of items answered from exact repeats.
-    boundary: int | None = None
-    entry: CachedState | None = None
-    cached: int = 0
-    repeated: int = 0
-    repeats_checked: bool = False
-    digest: Any = None
-    following: int = 0  # items another request is decoding now: the state waits for their readouts
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens after the head that this state did not decode thanks to the caches."""
-        if not self.started and self.repeated:  # every item was a repeat: no prefix either
-            return len(self.plan.prefix) + self.repeated
-        return self.cached + self.repeated
-
-    @property
-    def need(self) -> int:
-        """Cells of the whole state: its prefix and every branch and label position."""
-        return self.prefix_cells + sum(self.item_cells.values())
-
-    @property
-    def largest_item(self) -> int:
-        return max(self.item_cells.values())
-
-    @property
-    def future(self) -> int:
-        if not self.started or not self.open_items:
-            return 0
-        if self.streaming:
-            # Reserved: the prefix and room for its largest item (more only if several are open);
-            # what the open items have decoded already is live, not future.
-            prefix_decoded = self.prefilled - self.cached
-            open_decoded = self.decoded - prefix_decoded - self.released
-            branches = max(self.largest_item, self.opened) - open_decoded
-            return self.prefix_cells - prefix_decoded + branches
-        return self.need - self.decoded
 
 
 class DecisionWork:
@@ -137,7 +45,7 @@ class DecisionWork:
             before = len(self.head) + len(state.prefix) if fresh else 0  # prompt tokens in each branch
             cells = {id(item): before + len(item.tokens) + len(item.trie.nodes) - 1 for item in state.items}
             prefix_cells = 0 if fresh else len(state.prefix)
-            run = _StateRun(state, deque(state.items), len(state.items), cells, prefix_cells)
+            run = StateRun(state, deque(state.items), len(state.items), cells, prefix_cells)
             run.branch_seqs = 2 if any(item.trie.children(()) for item in state.items) else 1
             if not fresh and state.items and state.prompt.canonical:
                 run.boundary = len(state.prompt.tokens)
@@ -217,7 +125,7 @@ class DecisionWork:
         self._caches = step.caches
         for state in self.states:
             if not state.repeats_checked:
-                self._answer_repeats(state, step.caches)
+                state.answer_repeats(*self._repeats(step.caches))
             if state.open_items == 0 or state.following:
                 continue
             if not state.started and not self._start_state(state, step):
@@ -231,51 +139,15 @@ class DecisionWork:
             self.rows += len(step.rows) - before
 
     # --- kept across requests -------------------------------------------------------------------
-    def _answer_repeats(self, state: _StateRun, caches: Caches | None) -> None:
-        """Items already answered on this very prompt take their raw readouts from the repeat cache.
-        If every other one is being decoded by another request now, the state waits for those
-        readouts and decodes nothing (`RepeatCache.follow`); else it claims what it decodes."""
-        state.repeats_checked = True
-        repeats = caches.repeats if caches is not None else None
-        if repeats is None or self.plan.mode != "shared" or not state.pending:
-            return
-        assert caches is not None
-        state.digest = self._digest(state, caches)
-        keys = {id(item): self._repeat_key(state, item) for item in state.pending}
-        for item in list(state.pending):
-            outputs = repeats.get(keys[id(item)])
-            if outputs is not None:
-                self._answered(state, item, outputs)
-        if state.pending and all(repeats.claimed_by_other(keys[id(item)], state) for item in state.pending):
-            state.following = len(state.pending)
-            for item in state.pending:
-                then = lambda outputs, item=item: self._followed(state, item, outputs)  # noqa: E731
-                repeats.follow(keys[id(item)], state, then)
-        else:
-            for item in state.pending:
-                repeats.claim(keys[id(item)], state)
-
-    def _answered(self, state: _StateRun, item: Item, outputs: dict[Any, Any]) -> None:
-        item.outputs.update(outputs)
-        state.pending.remove(item)
-        del state.item_cells[id(item)]
-        state.open_items -= 1
-        state.repeated += len(item.tokens)
-
-    def _followed(self, state: _StateRun, item: Item, outputs: dict[Any, Any] | None) -> None:
-        """Another request read `item` (its readouts), or gave up (None: this state decodes it)."""
-        state.following -= 1
-        if outputs is not None:
-            self._answered(state, item, outputs)
-
-    def _digest(self, state: _StateRun, caches: Caches) -> Any:
-        namespace = f"{caches.namespace}|extensions={bool(self.plan.options.extensions)}|{self.plan.space}"
-        return prompt_digest(namespace, state.plan.prefix)
-
-    @staticmethod
-    def _repeat_key(state: _StateRun, item: Item, digest: Any = None) -> bytes:
-        prefix = digest if digest is not None else state.digest
-        return repeat_key(prefix, item.tokens, [label.tokens for label in item.labels], item.readout)
+    def _repeats(self, caches: Caches | None) -> tuple[RepeatCache | None, str]:
+        """The repeat cache (shared mode only), and what this work's keys are digested under: the
+        model and prompt version, extensions, the cache space."""
+        if caches is None or caches.repeats is None or self.plan.mode != "shared":
+            return None, ""
+        return (
+            caches.repeats,
+            f"{caches.namespace}|extensions={bool(self.plan.options.extensions)}|{self.plan.space}",
+        )
 
     def costs_given(self, caches: Caches | None) -> tuple[Cost, Cost]:
         """What it costs beside what the caches hold now: each state's kept prefix and the items that
@@ -291,34 +163,18 @@ class DecisionWork:
                 if caches.states
                 else 0
             )
-            answered: set[int] = set()
-            if caches.repeats is not None and state.plan.items:
-                digest = self._digest(state, caches)
-                for index, item in enumerate(state.plan.items):
-                    if caches.repeats.peek(self._repeat_key(state, item, digest)):
-                        answered.add(index)
-            repeated.append(answered)
+            repeated.append(state.peek_repeats(*self._repeats(caches)))
         cost = self.plan.cost_given(cached, repeated)
         return cost, cost
 
-    def _remember(self, state: _StateRun, item: Item) -> None:
-        repeats = self._caches.repeats if self._caches is not None else None
-        if repeats is not None and state.digest is not None:
-            repeats.put(self._repeat_key(state, item), item.outputs)
-
-    def _give_up(self, state: _StateRun) -> None:
-        repeats = self._caches.repeats if self._caches is not None else None
-        if repeats is not None:
-            repeats.give_up(state)
-
-    def _unpin(self, state: _StateRun) -> None:
+    def _unpin(self, state: StateRun) -> None:
         if state.entry is not None:
             states = self._caches.states if self._caches is not None else None
             if states is not None:
                 states.unpin(state.entry)
             state.entry = None
 
-    def _start_state(self, state: _StateRun, step: Step) -> bool:
+    def _start_state(self, state: StateRun, step: Step) -> bool:
         """Reserve the state's cells (all of them; a streaming state: its prefix and one branch).
 
         A kept state that begins this one's prefix (restored from host memory if need be) is
@@ -357,7 +213,7 @@ class DecisionWork:
             step.branch_reserve += state.branch_seqs
         return True
 
-    def _keep_state(self, step: Step, state: _StateRun) -> None:
+    def _keep_state(self, step: Step, state: StateRun) -> None:
         """The prefix has reached its canonical boundary (or, where a copy may be cut, its end):
         the cache keeps a copy of the state."""
         kept = step.caches.states if step.caches is not None else None
@@ -371,7 +227,7 @@ class DecisionWork:
                 space=self.plan.space,
             )
 
-    def _plan_shared(self, state: _StateRun, step: Step) -> None:
+    def _plan_shared(self, state: StateRun, step: Step) -> None:
         prefix = state.plan.prefix
         if state.prefilled < len(prefix):
             end = len(prefix)
@@ -395,7 +251,7 @@ class DecisionWork:
             item = state.pending.popleft()
             assert state.seq is not None
             seq = self._fork(step, state.seq)
-            self._open_branch(step, state, _Fill(item, seq, item.tokens, base))
+            self._open_branch(step, state, Fill(item, seq, item.tokens, base))
             room = self._room(state, step) if not step.equal_rows else room - len(item.tokens)
         if step.equal_rows:
             self._plan_fills(state, step)  # the open branches and those just opened, longest first
@@ -404,12 +260,12 @@ class DecisionWork:
             state.seq = None
             step.branch_reserve -= state.branch_seqs
 
-    def _prefilled(self, step: Step, state: _StateRun, take: int) -> None:
+    def _prefilled(self, step: Step, state: StateRun, take: int) -> None:
         state.prefilled += take
         state.decoded += take
         self._keep_state(step, state)
 
-    def _plan_fresh(self, state: _StateRun, step: Step) -> None:
+    def _plan_fresh(self, state: StateRun, step: Step) -> None:
         self._plan_children(state, step)
         if not step.equal_rows:
             self._plan_fills(state, step)
@@ -417,13 +273,13 @@ class DecisionWork:
         room = self._room(state, step)
         while state.pending and room > 0 and self._fits(step, state):
             item = state.pending.popleft()
-            self._open_branch(step, state, _Fill(item, self._acquire(step), [*before, *item.tokens], 0))
+            self._open_branch(step, state, Fill(item, self._acquire(step), [*before, *item.tokens], 0))
             room = self._room(state, step) if not step.equal_rows else room - len(before) - len(item.tokens)
         if step.equal_rows:
             self._plan_fills(state, step)
 
     @staticmethod
-    def _room(state: _StateRun, step: Step) -> int:
+    def _room(state: StateRun, step: Step) -> int:
         """Tokens of this step still free for new branches. With equal rows the new branches are
         planned only after they all are open, so the open branches' unplanned tokens count as taken:
         a branch is opened (and holds a sequence) only when the step can carry some of it."""
@@ -432,7 +288,7 @@ class DecisionWork:
         return step.tokens_left - sum(len(fill.tokens) - fill.planned for fill in state.filling)
 
     @staticmethod
-    def _fits(step: Step, state: _StateRun) -> bool:
+    def _fits(step: Step, state: StateRun) -> bool:
         """Room for the next branch, and take it.
 
         Sequences: an item with multi-token labels leaves one free for its label positions, which
@@ -455,12 +311,12 @@ class DecisionWork:
         state.opened += cells
         return True
 
-    def _open_branch(self, step: Step, state: _StateRun, fill: _Fill) -> None:
+    def _open_branch(self, step: Step, state: StateRun, fill: Fill) -> None:
         state.filling.append(fill)
         if not step.equal_rows:  # with equal rows the new branches are planned together, longest first
             self._plan_piece(step, state, fill)
 
-    def _plan_fills(self, state: _StateRun, step: Step) -> None:
+    def _plan_fills(self, state: StateRun, step: Step) -> None:
         """Branches whose prompt is longer than one step's budget continue where they stopped (with
         equal rows, all the open ones at once, on the row length they settle on)."""
         fills = list(state.filling)
@@ -471,7 +327,7 @@ class DecisionWork:
             if fill.planned < len(fill.tokens):
                 self._plan_piece(step, state, fill)
 
-    def _plan_piece(self, step: Step, state: _StateRun, fill: _Fill) -> None:
+    def _plan_piece(self, step: Step, state: StateRun, fill: Fill) -> None:
         take = step.take(len(fill.tokens) - fill.planned)
         if take <= 0:
             return
@@ -486,18 +342,18 @@ class DecisionWork:
             if last:
                 state.filling.remove(fill)
                 end = fill.start + len(fill.tokens)
-                self._read(step, state, _Branch(fill.item, (), fill.seq, end, deque()), finished)
+                self._read(step, state, Branch(fill.item, (), fill.seq, end, deque()), finished)
 
         step.add(self, row, done, keep=not state.streaming)
 
-    def _plan_children(self, state: _StateRun, step: Step) -> None:
+    def _plan_children(self, state: StateRun, step: Step) -> None:
         """Positions for multi-token labels: copy a read branch, append one label token, read there."""
         for branch in list(state.branches):
             while branch.children and step.seqs.available and step.tokens_left:
                 child = branch.children.popleft()
                 seq = self._fork(step, branch.seq)
                 row = Row(seq, [child[-1]], branch.end, self._spec(branch.item, child))
-                grown = _Branch(branch.item, child, seq, branch.end + 1, deque())
+                grown = Branch(branch.item, child, seq, branch.end + 1, deque())
                 step.add(
                     self,
                     row,
@@ -508,7 +364,7 @@ class DecisionWork:
                 state.branches.remove(branch)
                 self._drop(step, state, branch)
 
-    def _read(self, step: Step, state: _StateRun, branch: _Branch, done: Row) -> None:
+    def _read(self, step: Step, state: StateRun, branch: Branch, done: Row) -> None:
         assert done.result is not None
         branch.item.outputs[branch.prefix] = done.result
         branch.children.extend(branch.item.trie.children(branch.prefix))
@@ -517,11 +373,11 @@ class DecisionWork:
         else:
             self._drop(step, state, branch)
 
-    def _child_read(self, step: Step, state: _StateRun, branch: _Branch, done: Row) -> None:
+    def _child_read(self, step: Step, state: StateRun, branch: Branch, done: Row) -> None:
         state.decoded += 1
         self._read(step, state, branch, done)
 
-    def _drop(self, step: Step, state: _StateRun, branch: _Branch) -> None:
+    def _drop(self, step: Step, state: StateRun, branch: Branch) -> None:
         """Remove a branch whose children have all started; close its item once fully read."""
         self._free(step, branch.seq)
         item = branch.item
@@ -529,14 +385,14 @@ class DecisionWork:
             self._release(step.seqs, state, state.item_cells[id(item)], kept=not state.streaming)
             state.opened -= state.item_cells[id(item)]
             state.open_items -= 1
-            self._remember(state, item)
+            state.remember(item)
             if state.open_items == 0:
                 self._release(step.seqs, state, state.prefix_cells)
                 self._unpin(state)
-                self._give_up(state)  # nothing it claimed is left: a follower never waits on it
+                state.give_up()  # nothing it claimed is left: a follower never waits on it
 
     @staticmethod
-    def _release(seqs: SeqPool, state: _StateRun, cells: int, *, kept: bool = True) -> None:
+    def _release(seqs: SeqPool, state: StateRun, cells: int, *, kept: bool = True) -> None:
         state.released += cells
         if kept and seqs.epochs:
             state.dead += cells
@@ -556,8 +412,7 @@ class DecisionWork:
         self._held.clear()
         for state in self.states:
             self._unpin(state)
-            self._give_up(state)
-            state.following = 0
+            state.give_up()
             state.branches.clear()
             state.filling.clear()
             state.seq = None
