@@ -26,8 +26,7 @@ from typing import Any
 import httpx
 import psutil
 
-from decider.settings import Settings
-from decider_dev.bench.common import NO_CACHES
+from decider_dev.bench.common import NO_CACHES, server_environment
 from decider_dev.local_server import run_local_server
 
 TOKENS_PER_SENTENCE = 12  # "The customer wrote again about order 1182 and the late refund." on SmolLM2
@@ -101,9 +100,7 @@ def main() -> None:
     good = good_decision(args.state_tokens)
     bad = bad_body(args.body_mb)
     # caches off: the decision is timed again and again, and a kept answer would cost nothing
-    with run_local_server(
-        {Settings.env_name(name): str(value) for name, value in NO_CACHES.items()}
-    ) as server:
+    with run_local_server(server_environment(NO_CACHES)) as server:
         url, pid = server.base_url, server.process.pid
         time_good(url, good, 1)  # warm-up: the cost model and the page cache
         start_rss = rss_kib(pid, "VmRSS")

@@ -136,6 +136,13 @@ def model_settings(args: Any, default_model: Path) -> dict[str, Any]:
     return fields
 
 
+def server_environment(fields: Mapping[str, Any]) -> dict[str, str]:
+    """Settings fields (`model_settings`, NO_CACHES, …) as the DECIDER_* variables a server reads."""
+    from decider.settings import Settings
+
+    return {Settings.env_name(name): str(value) for name, value in fields.items()}
+
+
 def unlabelled_metrics(metrics_text: str, names: Iterable[str]) -> dict[str, float]:
     """The unlabelled samples `names` from a Prometheus text exposition (/metrics); missing read 0."""
     values = dict.fromkeys(names, 0.0)

@@ -124,6 +124,7 @@ from decider_dev.bench.common import (
     request_body,
     run_clients_in_parallel,
     same_questions_group,
+    server_environment,
     spread,
     unlabelled_metrics,
 )
@@ -627,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     # The engine timed beside the server runs without caches too: a kept answer would make the
     # in-process side free (the overhead phase's warm-up case is measured again).
     settings = Settings(**fields, **NO_CACHES)
-    env = {Settings.env_name(name): str(value) for name, value in {**fields, **NO_CACHES}.items()}
+    env = server_environment({**fields, **NO_CACHES})
     console.print(
         f"[bold]bench-server[/]: {Path(settings.model_path).name}, threads={settings.threads()}, "
         f"n_gpu_layers={settings.n_gpu_layers}, batch_invariant={settings.batch_invariant}; "
@@ -848,7 +849,7 @@ def traffic_main(args: Any, which: str = "traffic") -> int:
     warm_up = (request_body(outside, extensions=True), text_questions(engine, [request_body(outside)]))
     asked_once, asked_repeated = text_questions(engine, once), text_questions(engine, repeated)
     engine.close()
-    env = {Settings.env_name(name): str(value) for name, value in fields.items()}
+    env = server_environment(fields)
     against = against_tree(args.against) if args.against else None
     levels = []
     if which in ("traffic", "repeat"):
@@ -859,7 +860,7 @@ def traffic_main(args: Any, which: str = "traffic") -> int:
         hybrid = hybrid_model(args.hybrid_layers, args.hybrid_embd, smollm2_path())
         hybrid_fields = {**fields, "model_path": hybrid}
         hybrid_settings = Settings(**hybrid_fields)
-        hybrid_env = {Settings.env_name(name): str(value) for name, value in hybrid_fields.items()}
+        hybrid_env = server_environment(hybrid_fields)
         for name, bodies, asked in (
             ("hybrid", once, asked_once),
             ("hybrid_repeat", repeated, asked_repeated),
@@ -1129,10 +1130,8 @@ def measure_mixed(base_url: str, bodies: list[dict[str, Any]], chats: int) -> Mi
 def mixed_main(args: Any) -> int:
     """The mixed level alone, on a fresh server with the caches off (as in 'all'); 1 if a request failed."""
     from decider.engine.model.bundled import smollm2_path
-    from decider.settings import Settings
 
-    fields = {**model_settings(args, smollm2_path()), **NO_CACHES}
-    env = {Settings.env_name(name): str(value) for name, value in fields.items()}
+    env = server_environment({**model_settings(args, smollm2_path()), **NO_CACHES})
     bodies = [request_body(case, extensions=True) for case in spread(load_cases(args.cases), args.requests)]
     with run_local_server(env) as server:
         run_clients(server.base_url, "/invocations", bodies[-1:], 1, None)  # warm-up
@@ -1274,10 +1273,8 @@ def batch_chat_main(args: Any) -> int:
     """The batch-beside-a-chat level on a fresh server, caches off (the batch does the same work
     twice); 1 if it failed."""
     from decider.engine.model.bundled import smollm2_path
-    from decider.settings import Settings
 
-    fields = {**model_settings(args, smollm2_path()), **NO_CACHES}
-    env = {Settings.env_name(name): str(value) for name, value in fields.items()}
+    env = server_environment({**model_settings(args, smollm2_path()), **NO_CACHES})
     Console(width=200).print(f"[dim]batch beside a chat: {args.batch_chat_states} states…[/]")
     with run_local_server(env) as server:
         result = measure_batch_beside_chat(server.base_url, load_cases(args.cases), args.batch_chat_states)
