@@ -5,9 +5,12 @@ JSON schema through llama.cpp's grammar, several stop strings; refusals are 4xx 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
+from server_helpers import DECISION, FORCED_CHAT, FORCED_TEXT
 
 from decider_dev.local_server import LocalServer
 
@@ -137,19 +140,48 @@ def test_response_format_json_schema_constrains_the_output(live_server: LocalSer
 
 
 def test_several_stop_strings(live_server: LocalServer) -> None:
+    """The answer is cut before the first of several stop strings, however the tokens split the
+    text (a forced answer: the same text whatever the logits, server_helpers.FORCED_CHAT)."""
     client = _client(live_server)
-    free = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=24, temperature=0)
-    text = free.choices[0].message.content
-    stops = [",", ".", "\n", "!"]
-    cut = client.chat.completions.create(
-        model="", messages=MESSAGES, max_tokens=24, temperature=0, stop=stops
-    )
-    content = cut.choices[0].message.content
-    assert not any(stop in content for stop in stops)
-    assert text.startswith(content)
-    if any(stop in text for stop in stops):
-        first = min(text.index(stop) for stop in stops if stop in text)
-        assert content == text[:first] and cut.choices[0].finish_reason == "stop"
+    for stream in (False, True):
+        cut = client.chat.completions.create(
+            model="", stop=[".", "!", ",", "\n"], stream=stream, **FORCED_CHAT
+        )
+        if stream:
+            chunks = list(cut)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            content, finish = cut.choices[0].message.content, [cut.choices[0].finish_reason]
+        assert (content, finish) == (FORCED_TEXT[: FORCED_TEXT.index(",")], ["stop"])
+
+
+def test_seeded_chats_repeat_bit_for_bit_with_batch_invariant_kernels(invariant_server: LocalServer) -> None:
+    """With DECIDER_BATCH_INVARIANT=true a seeded chat at temperature 1 gives the same tokens again,
+    plain and streamed, after other chats and decisions have come and gone and beside one that runs.
+    (The default kernels do not promise it: server_helpers.FORCED_CHAT.)"""
+    client = _client(invariant_server)
+    seeded = {"model": "", "messages": MESSAGES, "max_tokens": 12, "seed": 11, "logprobs": True}
+    first = client.chat.completions.create(**seeded).choices[0].logprobs.content
+    for i in range(3):  # cells taken and freed before the next ask
+        client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=16
+        )
+        httpx.post(
+            f"{invariant_server.base_url}/v1/systemone", json={**DECISION, "state": f"case {i}"}, timeout=120
+        )
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        beside = pool.submit(
+            client.chat.completions.create,
+            model="",
+            messages=[{"role": "user", "content": "Tell a story."}],
+            max_tokens=32,
+        )
+        streamed, _, _ = _streamed(client, seeded)
+        assert beside.result().choices[0].message.content is not None
+    again = client.chat.completions.create(**seeded).choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in first]
+    assert [(e.token, e.logprob) for e in again] == [(e.token, e.logprob) for e in first]
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import openai
 import pytest
 import typesafe_sdk
 from jevcompat.runner import run as jevcompat_run
-from server_helpers import CHAT, DECISION, assert_error_body
+from server_helpers import CHAT, DECISION, FORCED_CHAT, FORCED_TEXT, assert_error_body
 from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
 
 from decider_cli.proxy import async_sagemaker_http_client, sagemaker_http_client
@@ -74,19 +74,17 @@ def _probabilities(decision: Any) -> list[Any]:
 def test_openai_chat_and_stream_through_the_proxy_equal_direct(
     live_server: LocalServer, proxy: RunningProxy, standin: RunningStandin
 ) -> None:
-    direct = _openai(live_server.base_url).chat.completions.create(model="", **CHAT)
-    proxied = _openai(proxy.base_url).chat.completions.create(model="", **CHAT)
-    assert proxied.choices[0].message.content == direct.choices[0].message.content
-    assert proxied.usage == direct.usage and proxied.model == direct.model
+    direct = _openai(live_server.base_url).chat.completions.create(model="", **FORCED_CHAT)
+    proxied = _openai(proxy.base_url).chat.completions.create(model="", **FORCED_CHAT)
+    assert proxied.choices[0].message.content == direct.choices[0].message.content == FORCED_TEXT
+    assert proxied.model == direct.model and proxied.usage.prompt_tokens == direct.usage.prompt_tokens
+    assert proxied.usage.total_tokens == proxied.usage.prompt_tokens + proxied.usage.completion_tokens
     stream = _openai(proxy.base_url).chat.completions.create(
-        model="", stream=True, stream_options={"include_usage": True}, **CHAT
+        model="", stream=True, stream_options={"include_usage": True}, **FORCED_CHAT
     )
     chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == direct.choices[0].message.content
-    assert (
-        chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == direct.usage.completion_tokens
-    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == FORCED_TEXT
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == direct.usage.prompt_tokens
     streamed = [call for call in standin.state.calls if call["path"].endswith("/invocations-response-stream")]
     assert streamed and streamed[-1]["custom_attributes"] == "route=/v1/chat/completions"
     assert all(
@@ -225,15 +223,13 @@ def test_transport_library_in_process(live_server: LocalServer) -> None:
     """The same without the sidecar: `http_client=` for the openai SDK (httpx2) and jev-lite (httpx)."""
     client = _openai("http://ignored", http_client=sagemaker_http_client(ENDPOINT, http=httpx2))
     direct = _openai(live_server.base_url)
-    assert client.chat.completions.create(model="", **CHAT).choices[0].message.content == (
-        direct.chat.completions.create(model="", **CHAT).choices[0].message.content
-    )
+    assert client.chat.completions.create(model="", **FORCED_CHAT).choices[0].message.content == FORCED_TEXT
     streamed = "".join(
         c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(model="", stream=True, **CHAT)
+        for c in client.chat.completions.create(model="", stream=True, **FORCED_CHAT)
         if c.choices
     )
-    assert streamed == direct.chat.completions.create(model="", **CHAT).choices[0].message.content
+    assert streamed == FORCED_TEXT
     proxied = client.decisions.create(model="m", input=DECISION["state"], questions=OPENAI_QUESTIONS)
     expected = direct.decisions.create(model="m", input=DECISION["state"], questions=OPENAI_QUESTIONS)
     assert _probabilities(proxied) == _probabilities(expected)
@@ -256,7 +252,7 @@ def test_async_transport_streams_without_blocking(live_server: LocalServer) -> N
             http_client=async_sagemaker_http_client(ENDPOINT, http=httpx2),
         )
         pieces: list[str] = []
-        stream = await client.chat.completions.create(model="", stream=True, **CHAT)
+        stream = await client.chat.completions.create(model="", stream=True, **FORCED_CHAT)
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
@@ -264,8 +260,8 @@ def test_async_transport_streams_without_blocking(live_server: LocalServer) -> N
         return "".join(pieces), [m.id for m in models.data]
 
     text, models = asyncio.run(run())
-    direct = _openai(live_server.base_url).chat.completions.create(model="", **CHAT)
-    assert text == direct.choices[0].message.content and models == [direct.model]
+    direct = _openai(live_server.base_url).chat.completions.create(model="", **FORCED_CHAT)
+    assert text == direct.choices[0].message.content == FORCED_TEXT and models == [direct.model]
     assert os.environ["AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME"].startswith("http://127.0.0.1:")
 
 
