@@ -17,7 +17,8 @@ import pytest
 from server_fakes import FakeEngine
 
 from decider.engine.memory.sequences import SeqPool
-from decider.engine.scheduling.admission import ChatLengths
+from decider.engine.scheduling.admission import Admission, ChatLengths
+from decider.engine.scheduling.chat_pace import ChatPace
 from decider.engine.scheduling.cost import Cost, CostModel, span_attended
 from decider.engine.scheduling.jobs import Job
 from decider.engine.scheduling.scheduler import Scheduler
@@ -496,3 +497,24 @@ def test_an_sse_response_that_never_starts_still_stops_its_job() -> None:
     with pytest.raises(OSError):
         asyncio.run(_JobStream(job, never_iterated())({"type": "http"}, gone, refuse))
     assert job.cancelled
+
+
+@pytest.mark.parametrize(("seconds_per_token", "stretched"), [(0.00005, False), (0.001, True)])
+def test_a_decision_beside_chats_is_stretched_only_where_its_decodes_are_long(
+    seconds_per_token: float, stretched: bool
+) -> None:
+    """Chats get decodes of their own only after shared decodes longer than CHAT_INTERVAL_SECONDS, so
+    admission adds their share to a decision beside them only then: a 1,000-token decision in two
+    decodes of 27 ms (a GPU) is estimated as it would run without chats, the same in decodes of 0.5 s
+    (a CPU) gets DECIDER_CHAT_SHARE more."""
+    admission = Admission(
+        queue_size=8, deadline_seconds=55, metrics=ServerMetrics(), works=[], pace=ChatPace(0.25)
+    )
+    for tokens in (1, 3, 8, 64, 500, 2048):
+        admission.costs.observe(Cost(1, tokens), 0.002 + seconds_per_token * tokens)
+    admission.admit("chat", "c", Cost(100, 100))
+    decision = Cost(2, 1000)
+    now = time.monotonic()
+    beside = admission._finish_seconds(decision, admission._ahead(now), now)
+    job = admission.admit("decision", "d", decision)
+    assert job.estimate == pytest.approx(beside * (1.25 if stretched else 1.0), rel=1e-3)

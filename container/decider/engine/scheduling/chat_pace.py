@@ -28,11 +28,11 @@ class ChatPace:
     share: float
     credit: float = 0.0
 
-    @property
-    def stretch(self) -> float:
-        """The most that chats running beside other work can stretch that work's time (admission's
-        estimate of a decision admitted while chats run)."""
-        return 1.0 + self.share
+    def stretch(self, decode_seconds: float) -> float:
+        """The most that chats running beside other work can stretch that work's time, if its
+        decodes take `decode_seconds` (admission's estimate of a decision admitted while chats run):
+        `share` more where decodes are long enough to earn chats decodes of their own, else none."""
+        return 1.0 + self.share if decode_seconds > CHAT_INTERVAL_SECONDS else 1.0
 
     def chats_alone(self, chats: bool) -> bool:
         """Whether the next decode carries the chats alone (`chats`: some are running or waiting)."""
