@@ -161,11 +161,11 @@ def test_seeded_chats_repeat_bit_for_bit_with_batch_invariant_kernels(invariant_
     plain and streamed, after other chats and decisions have come and gone and beside one that runs.
     (The default kernels do not promise it: server_helpers.FORCED_CHAT.)"""
     client = _client(invariant_server)
-    seeded = {"model": "", "messages": MESSAGES, "max_tokens": 12, "seed": 11, "logprobs": True}
+    seeded = {"model": "", "messages": MESSAGES, "max_tokens": 8, "seed": 11, "logprobs": True}
     first = client.chat.completions.create(**seeded).choices[0].logprobs.content
-    for i in range(3):  # cells taken and freed before the next ask
+    for i in range(2):  # cells taken and freed before the next ask
         client.chat.completions.create(
-            model="", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=16
+            model="", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=8
         )
         httpx.post(
             f"{invariant_server.base_url}/v1/systemone", json={**DECISION, "state": f"case {i}"}, timeout=120
@@ -175,7 +175,7 @@ def test_seeded_chats_repeat_bit_for_bit_with_batch_invariant_kernels(invariant_
             client.chat.completions.create,
             model="",
             messages=[{"role": "user", "content": "Tell a story."}],
-            max_tokens=32,
+            max_tokens=24,
         )
         streamed, _, _ = _streamed(client, seeded)
         assert beside.result().choices[0].message.content is not None
