@@ -116,6 +116,8 @@ say "toolchain: $(c++ --version | head -1); CXXFLAGS='${CXXFLAGS:-}' LDFLAGS='${
 for lib in libggml.so.0 libggml-base.so.0 libllama.so.0; do
   say "$lib: $(stat -Lc %s "$site/llama_cpp/lib/$lib") bytes, $(nm -DC --defined-only "$site/llama_cpp/lib/$lib" 2>/dev/null | grep -c ' std::') std:: symbols defined"
 done
+# what the dynamic linker does with them: which library answers libllama's C++ runtime calls
+say "C++ runtime: $("$VENV/bin/python" -m decider.engine.model.cxx_runtime 2>&1 | tail -1)"
 ninja -C "$WORK/llama-build" -t commands ggml 2>/dev/null | grep -- '-o bin/libggml.so\|libggml.so.0' | tail -1 | cut -c1-600 \
   > "$RESULTS/libggml-link.txt" || true
 nm -DC --defined-only "$site/llama_cpp/lib/libggml.so.0" 2>/dev/null | grep ' std::' | head -40 > "$RESULTS/libggml-std-symbols.txt" || true

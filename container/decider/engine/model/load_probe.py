@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from decider.engine.model import cxx_runtime
 from decider.errors import LoadCrashedError
 from decider.settings import Settings
 
@@ -147,6 +148,7 @@ def check_load(
             f"loading {model.name} crashed a probe process with {probe.signal_name} after "
             f"{probe.seconds:.1f} s ({describe_settings(settings)}{on}); the server does not load it: "
             "llama.cpp's load log and the native traceback are the 'load probe:' lines above"
+            f"{_runtime_suspect(backends)}"
         )
     if probe.outcome == "loaded":
         log.info("load probe: %s loaded and decoded in a child process in %.1f s", model.name, probe.seconds)
@@ -155,6 +157,18 @@ def check_load(
     else:
         log.warning("load probe: the child exited with %s; the server's own load says why", probe.status)
     return probe
+
+
+def _runtime_suspect(backends: Sequence[Path]) -> str:
+    """'; <which library answers C++ runtime calls>' when one does (a known cause of such crashes),
+    else ''. A diagnosis only: it never hides the crash it explains."""
+    try:
+        libraries = [*cxx_runtime.llama_cpp_libraries(), *backends]
+        found = cxx_runtime.check(list(dict.fromkeys(libraries)))
+    except Exception as exc:  # the crash line must be logged whatever happens here
+        log.warning("load probe: the C++ runtime check did not run: %s", exc)
+        return ""
+    return f"; likely cause: {found.describe()}" if found.interpositions else ""
 
 
 def _child(model: Path, values: dict[str, Any], backends: Sequence[Path]) -> None:
