@@ -293,6 +293,15 @@ def check_main_container(
     return container, base_url
 
 
+def traceback_excerpt(logs: str, *, before: int = 3, after: int = 30) -> str:
+    """The first traceback in `logs` with a few lines around it, to show beside a failed check."""
+    lines = logs.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback" in line), None)
+    if start is None:
+        return ""
+    return "; the first traceback:\n" + "\n".join(lines[max(0, start - before) : start + after])
+
+
 def run_live_tests(report: Report, base_url: str) -> None:
     env = {**os.environ, BASE_URL_ENV: base_url}
     command = [sys.executable, "-m", "pytest", *LIVE_TESTS, "-q", "-rs", "-p", "no:cacheprovider"]
@@ -594,7 +603,7 @@ def run_contract(image: str, *, live_tests: bool, console: Console) -> int:
             report.check(
                 "after the live tests: still serving, no traceback in the logs",
                 main.running() and ping_status(base_url) == 200 and "Traceback" not in logs,
-                f"{len(logs.splitlines())} log lines",
+                f"{len(logs.splitlines())} log lines{traceback_excerpt(logs)}",
             )
             rss = vm_rss_mib(main)
             report.fact("resident memory after the live tests", f"{rss:.0f} MiB" if rss else "unknown")
