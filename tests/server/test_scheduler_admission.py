@@ -499,14 +499,23 @@ def test_an_sse_response_that_never_starts_still_stops_its_job() -> None:
     assert job.cancelled
 
 
-@pytest.mark.parametrize(("seconds_per_token", "stretched"), [(0.00005, False), (0.001, True)])
-def test_a_decision_beside_chats_is_stretched_only_where_its_decodes_are_long(
-    seconds_per_token: float, stretched: bool
+@pytest.mark.parametrize(
+    ("seconds_per_token", "behind", "stretched"),
+    [
+        (0.00005, None, False),
+        (0.001, None, True),
+        (0.00005, Cost(1, 1500), False),
+        (0.001, Cost(1, 1500), True),
+    ],
+)
+def test_a_decision_beside_chats_is_stretched_only_where_the_decodes_it_waits_on_are_long(
+    seconds_per_token: float, behind: Cost | None, stretched: bool
 ) -> None:
     """Chats get decodes of their own only after shared decodes longer than CHAT_INTERVAL_SECONDS, so
-    admission adds their share to a decision beside them only then: a 1,000-token decision in two
-    decodes of 27 ms (a GPU) is estimated as it would run without chats, the same in decodes of 0.5 s
-    (a CPU) gets DECIDER_CHAT_SHARE more."""
+    admission adds their share to a decision beside them only then. Its own decodes, and those of the
+    work it waits behind: a 1,000-token decision in two decodes of 27 ms (a GPU) is estimated as it
+    would run without chats, the same in decodes of 0.5 s (a CPU) gets DECIDER_CHAT_SHARE more; so
+    does a 20-token one, short itself, behind a 1,500-token one on the CPU (a decode of 1.5 s)."""
     admission = Admission(
         queue_size=8, deadline_seconds=55, metrics=ServerMetrics(), works=[], pace=ChatPace(0.25)
     )
@@ -514,6 +523,9 @@ def test_a_decision_beside_chats_is_stretched_only_where_its_decodes_are_long(
         admission.costs.observe(Cost(1, tokens), 0.002 + seconds_per_token * tokens)
     admission.admit("chat", "c", Cost(100, 100))
     decision = Cost(2, 1000)
+    if behind is not None:
+        admission.admit("decision", "ahead", behind)
+        decision = Cost(1, 20)
     now = time.monotonic()
     beside = admission._finish_seconds(decision, admission._ahead(now), now)
     job = admission.admit("decision", "d", decision)

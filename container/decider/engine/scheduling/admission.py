@@ -187,8 +187,8 @@ class Admission:
                 )
             estimate = self._finish_seconds(least, ahead, now)
             if kind != "chat" and any(job.kind == "chat" for job in self.admitted):
-                # the chats beside it may take their share of its decodes, if those are long
-                estimate *= self.pace.stretch(self._decode_seconds(least))
+                # the chats beside it may take their share of the decodes it waits on, if those are long
+                estimate *= self.pace.stretch(self._longest_decode_seconds(least, ahead))
             # Only work ahead can make a request that fits alone miss its deadline, and then a
             # retry can succeed once that work is done. On an idle engine the request is tried.
             if ahead and estimate * ESTIMATE_MARGIN > deadline - now:
@@ -265,11 +265,15 @@ class Admission:
         seconds = self.costs.predict(finish_cost(new, ahead, self.costs, self.step_tokens)) or 0.0
         return seconds + (self._in_flight_seconds(now) if ahead else 0.0)
 
-    def _decode_seconds(self, new: Cost) -> float:
-        """Predicted seconds of one of `new`'s own decodes (its tokens spread over its steps)."""
-        steps = max(1, effective_steps(new, self.step_tokens))
-        one = Cost(1, math.ceil(new.tokens / steps), new.attended / steps)
-        return self.costs.predict(one) or 0.0
+    def _longest_decode_seconds(self, new: Cost, ahead: list[Ahead]) -> float:
+        """Predicted seconds of the longest decode `new` runs in or waits on: the largest per-step
+        share of its own work or of a piece ahead (each one's tokens spread over its steps)."""
+
+        def one_step(cost: Cost) -> float:
+            steps = max(1, effective_steps(cost, self.step_tokens))
+            return self.costs.predict(Cost(1, math.ceil(cost.tokens / steps), cost.attended / steps)) or 0.0
+
+        return max(one_step(cost) for cost in [new, *(piece.cost for piece in ahead)])
 
     def _busy_seconds(self, ahead: list[Ahead], now: float) -> float:
         """Predicted seconds until the admitted work is all done (0 until the cost model is ready)."""
