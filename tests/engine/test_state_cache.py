@@ -37,9 +37,11 @@ from decider.server.answers import decision_response
 from decider.settings import Settings
 
 # A kept state's answers against a new prefill: the rows after the copy are decoded in other
-# micro-batch shapes than one whole prefill, and without batch invariance SmolLM2's probabilities
-# move up to 0.05 with what shares a micro-batch (tests/engine/test_hybrid_model.py).
-AGREE = 5e-2
+# micro-batch shapes and cells than one whole prefill, and without batch invariance SmolLM2's
+# probabilities move by rounding. The grown-state test's body run on 100 random states: max |dp|
+# median 0.017, p90 0.037, max 0.057, 2 of 100 over 0.05 (and one CI run failed at 0.053). The
+# bound sits above that tail; where a copy is cut and which cells stay, the tests assert by counting.
+AGREE = 0.1
 
 
 # --- bookkeeping, on fakes ---------------------------------------------------------------------------
@@ -311,11 +313,15 @@ def assert_agree(
         assert probs == pytest.approx(expected[key], abs=tolerance), key
 
 
-def state_tokens(engine: DecisionEngine, body: dict[str, Any]) -> int:
-    """Tokens of the state's canonical segment (what a kept state holds after the head)."""
+def state_prompt(engine: DecisionEngine, body: dict[str, Any]) -> list[int]:
+    """The state's canonical segment (what a kept state holds after the head)."""
     plan = engine.plan_decision(parse_decision_request(body))
     assert plan.states[0].prompt.canonical
-    return len(plan.states[0].prompt.tokens)
+    return list(plan.states[0].prompt.tokens)
+
+
+def state_tokens(engine: DecisionEngine, body: dict[str, Any]) -> int:
+    return len(state_prompt(engine, body))
 
 
 def assert_released(engine: DecisionEngine) -> None:
@@ -486,8 +492,10 @@ def test_a_grown_state_reuses_the_common_prefix_on_attention_only_models(
     decide(smollm2, earlier)
     grown = {**earlier, "state": earlier["state"] + " Customer: still nothing, I want my money back."}
     hit = decide(smollm2, grown)
-    boundary = state_tokens(smollm2, earlier)
-    assert MIN_PARTIAL_HIT <= hit.usage.cached_tokens < boundary
+    before, after = state_prompt(smollm2, earlier), state_prompt(smollm2, grown)
+    common = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(before))
+    assert MIN_PARTIAL_HIT <= common < len(before)  # they part at the earlier state's closing quote
+    assert hit.usage.cached_tokens == common  # the copy is cut exactly there
     assert_agree(distributions(hit), distributions(decide(smollm2_uncached, grown)))
     assert_released(smollm2)
 

@@ -267,8 +267,9 @@ def test_a_killed_engine_is_back_within_ten_seconds_answering_the_same(
     assert chat["r"].status_code == 503, chat["r"].text
     assert_error_body(chat["r"].json(), "engine_restarted", status=503)
     assert again.status_code == 200 and recovered < RECOVERY_S, (again.text, recovered)
-    # a fresh prefill against (maybe) a kept state's copy: within the cache's agreement (test_state_cache)
-    assert _probabilities(again) == pytest.approx(_probabilities(before), abs=5e-2)
+    # a fresh prefill against (maybe) a kept state's copy: within the cache's agreement (AGREE in
+    # tests/engine/test_state_cache.py, measured there)
+    assert _probabilities(again) == pytest.approx(_probabilities(before), abs=0.1)
     assert _engine_child(own_server).pid != child.pid
     logs = own_server.logs()
     request_id = chat["r"].headers["x-request-id"]
