@@ -18,7 +18,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -29,7 +28,7 @@ from decider_cli.evaluate import cli as decide_eval
 from decider_cli.evaluate.jevbench import GOLD_240, JEVBENCH_240_CASES, MISSING_HINT
 from decider_cli.evaluate.targets import CUSTOM_ATTRIBUTES
 from decider_dev import REPO_ROOT
-from decider_dev.local_server import run_local_server
+from decider_dev.local_server import run_local_server, sigterm_unwinds
 
 DEFAULT_CASES = JEVBENCH_240_CASES
 DEFAULT_GOLD = GOLD_240
@@ -53,10 +52,6 @@ SAMPLE_REQUEST: dict[str, Any] = {
         "refund": {"type": "noul", "instructions": "Is money back requested?"},
     },
 }
-
-
-def _raise_interrupt(_signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
 
 
 def print_sample_answers(base_url: str, console: Console) -> None:
@@ -110,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
             "pass --cases/--gold to use another copy."
         )
         return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
+    with sigterm_unwinds():  # SIGTERM unwinds as Ctrl-C does: the server is stopped, then exit 130
+        return _run(args, console)
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
     try:
         console.rule("1. start the local server (bundled SmolLM2-135M-Instruct Q4_1)")
         started = time.perf_counter()

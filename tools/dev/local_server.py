@@ -8,6 +8,9 @@ Settings are passed as environment variables (`DECIDER_*`); the port goes throug
 `SAGEMAKER_BIND_TO_PORT` as on SageMaker. Run `python -m decider_dev.local_server` for a foreground
 server on port 8080 (Ctrl-C to stop).
 
+A SIGTERM to the harness stops the server as Ctrl-C does (then the harness dies of that SIGTERM):
+by default Python ends at once on SIGTERM, and the server it started would outlive it.
+
 `DECIDER_TEST_BASE_URL` (e.g. `http://127.0.0.1:18080`, a container started by `make image-test`)
 points the live-server tests at a server that is already running instead: `remote_server()`
 returns it as a `RemoteServer`, which answers `base_url`, `ping()` and `wait_ready()` the same way.
@@ -23,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +41,35 @@ BASE_URL_ENV = "DECIDER_TEST_BASE_URL"
 # without the load probe, a child process that loads the model once more before the server does
 # (~1 s of CPU per start). Start-up tests, and the shared servers of the test session, keep it.
 WITHOUT_LOAD_PROBE = {"DECIDER_LOAD_PROBE": "false"}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised wherever the main thread is: it unwinds like Ctrl-C, through every `finally`."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated`; once the block has unwound, the process dies of
+    the SIGTERM (as without this). Only in the main thread, and only where SIGTERM is not handled
+    already (an enclosing block, or a harness of its own, such as pytest stopping its workers)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def terminated(signum: int, _frame: object) -> None:
+        raise Terminated(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise  # reached only if the signal is blocked
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
@@ -171,16 +204,18 @@ def run_local_server(
     ready_timeout: float = 120,
     wait_ready: bool = True,
 ) -> Iterator[LocalServer]:
-    """Run the real server (bundled SmolLM2 by default) on a free port until the block exits."""
-    server = start_local_server(env, port=port)
-    try:
-        if wait_ready:
-            server.wait_ready(ready_timeout)
-        yield server
-    finally:
-        server.stop()
-        with contextlib.suppress(OSError):
-            server.log_path.unlink()
+    """Run the real server (bundled SmolLM2 by default) on a free port until the block exits, or
+    until this process gets SIGTERM (`sigterm_unwinds`)."""
+    with sigterm_unwinds():
+        server = start_local_server(env, port=port)
+        try:
+            if wait_ready:
+                server.wait_ready(ready_timeout)
+            yield server
+        finally:
+            server.stop()
+            with contextlib.suppress(OSError):
+                server.log_path.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,12 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--host", default=DEFAULT_HOST)
     args = parser.parse_args(argv)
-    process = subprocess.Popen(serve_command(), env=server_environment(None, port=args.port, host=args.host))
-    try:
-        return process.wait()
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGTERM)
-        return process.wait()
+    with sigterm_unwinds():
+        process = subprocess.Popen(
+            serve_command(), env=server_environment(None, port=args.port, host=args.host)
+        )
+        try:
+            return process.wait()
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM: the server drains, then stops
+            process.send_signal(signal.SIGTERM)
+            status = process.wait()
+            if isinstance(interrupt, Terminated):
+                raise  # and this process dies of the SIGTERM (sigterm_unwinds)
+            return status
 
 
 if __name__ == "__main__":
