@@ -132,6 +132,9 @@ def test_structured_state_keeps_key_order_and_noul_sides_default_independently()
         (with_question({"type": "noul"}, permutations=0), "invalid_permutations", "permutations"),
         (with_question({"type": "noul"}, permutations=9), "invalid_permutations", "permutations"),
         (with_question({"type": "noul"}, permutations=True), "invalid_permutations", "permutations"),
+        (with_question({"type": "noul"}, permutations=2.5), "invalid_permutations", "permutations"),
+        # strict as the chat model is (`"n": 1.0` is refused there): an integer is written as one
+        (with_question({"type": "noul"}, permutations=2.0), "invalid_permutations", "permutations"),
         (with_question({"type": "noul"}, mode="turbo"), "invalid_mode", "mode"),
         (with_question({"type": "noul"}, extensions="yes"), "invalid_extensions", "extensions"),
         (with_question({"type": "noul"}, model=3), "invalid_model", "model"),

@@ -25,11 +25,9 @@ MAX_SALT_CHARS = 256
 DEFAULT_SPACE = ""
 # How the OpenAPI document shows the field; its checks are `_checked`'s (one error code on every route).
 SALT_FIELD_SCHEMA = {
-    "type": "string",
-    "minLength": 1,
-    "maxLength": MAX_SALT_CHARS,
-    "description": "Keeps this request's cached states apart from other salts' (docs/security.md). "
-    "Also `cache_salt=<value>` in X-Amzn-SageMaker-Custom-Attributes.",
+    "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_SALT_CHARS}, {"type": "null"}],
+    "description": "Keeps this request's cached states apart from other salts' (docs/security.md); "
+    "null or absent: the default space. Also `cache_salt=<value>` in X-Amzn-SageMaker-Custom-Attributes.",
 }
 
 

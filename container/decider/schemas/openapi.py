@@ -16,52 +16,111 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.json_schema import models_json_schema
 
 from decider import __version__
 from decider.schemas.cache_salt import SALT_FIELD_SCHEMA
 from decider.schemas.chat import ChatCompletion, ChatCompletionRequest
 from decider.schemas.decision import BatchDecisionResponse, DecisionResponse
+from decider.settings import Settings
 
-Json = Any  # any JSON value (a state, instructions, an option's description)
+Json = Any  # any JSON value (instructions and option texts of /v1/decisions)
 CacheSalt = Any  # checked by decider.schemas.cache_salt, documented as SALT_FIELD_SCHEMA
+# The Jev routes' texts, as decider.schemas.decision checks them: a state, instructions or option text
+# is a string with a non-blank character, a non-empty object or a non-empty array (422 `empty_text`,
+# `invalid_state` otherwise); keys of questions and of choice options are not blank (pydantic writes
+# such a key as `patternProperties`, which leaves other keys free: `KEYED` closes them).
+NonBlank = Annotated[str, StringConstraints(pattern=r"\S")]
+NonEmptyObject = Annotated[dict[str, Json], Field(min_length=1)]
+NonEmptyArray = Annotated[list[Json], Field(min_length=1)]
+Content = NonBlank | NonEmptyObject | NonEmptyArray
+KEYED = {"additionalProperties": False}
+Permutations = Annotated[
+    int,
+    Field(
+        ge=1,
+        description="Option orders averaged, at most DECIDER_MAX_PERMUTATIONS "
+        f"(default {Settings.model_fields['max_permutations'].default}).",
+    ),
+]
 
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class JevQuestion(_Open):
-    """One question of `/v1/systemone`: `criteria` maps option keys to descriptions (or lists levels)."""
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
-    type: Literal["noul", "choice", "score"]
-    instructions: Json | None = None
-    criteria: dict[str, Json] | list[Json] | None = None
+
+class NoulCriteria(_Closed):
+    """The two sides' texts; a side left out or null gets the prompt version's default text."""
+
+    true: Content | None = None
+    false: Content | None = None
+
+
+class NoulQuestion(_Closed):
+    type: Literal["noul"]
+    instructions: Content | None = None
+    criteria: NoulCriteria | None = None
+
+
+class ChoiceQuestion(_Closed):
+    type: Literal["choice"]
+    instructions: Content | None = None
+    criteria: dict[NonBlank, str | NonEmptyObject | NonEmptyArray | None] = Field(
+        min_length=1,
+        description="Option key → description (null or a blank string: the key itself), at most "
+        "DECIDER_MAX_OPTIONS options.",
+        json_schema_extra=KEYED,
+    )
+
+
+class ScoreQuestion(_Closed):
+    type: Literal["score"]
+    instructions: Content | None = None
+    criteria: list[Content] = Field(
+        min_length=1, description="Level texts, low to high, at most DECIDER_MAX_OPTIONS."
+    )
+
+
+JevQuestion = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+JevQuestions = Annotated[
+    dict[NonBlank, JevQuestion],
+    Field(
+        min_length=1,
+        description="Question key → question, at most DECIDER_MAX_QUESTIONS.",
+        json_schema_extra=KEYED,
+    ),
+]
 
 
 class JevDecisionBody(_Open):
-    """`POST /v1/systemone` (Jev / SemIf): one state, typed questions by key."""
+    """`POST /v1/systemone` (Jev / SemIf): one state, typed questions by key. Other top-level fields
+    are ignored (clients add metadata), except `assets` (422 `unsupported_field`)."""
 
-    state: Json
-    questions: dict[str, JevQuestion] = Field(min_length=1)
+    state: Content
+    questions: JevQuestions
     model: str | None = None
-    extensions: bool = False
-    permutations: int = Field(1, ge=1)
+    extensions: bool | None = False
+    permutations: Permutations | None = 1
     mode: Literal["shared", "fresh"] | None = None
     cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
 class JevBatchBody(_Open):
-    """`POST /v1/systemone/batch`: many states, the same questions for each."""
+    """`POST /v1/systemone/batch`: many states (at most DECIDER_MAX_BATCH_STATES), the same questions
+    for each."""
 
-    states: list[Json] = Field(min_length=1)
-    questions: dict[str, JevQuestion] = Field(min_length=1)
+    states: list[Content] = Field(min_length=1)
+    questions: JevQuestions
     model: str | None = None
-    extensions: bool = False
-    permutations: int = Field(1, ge=1)
+    extensions: bool | None = False
+    permutations: Permutations | None = 1
     mode: Literal["shared", "fresh"] | None = None
     cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
