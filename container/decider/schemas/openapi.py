@@ -25,15 +25,24 @@ from decider import __version__
 from decider.schemas.cache_salt import SALT_FIELD_SCHEMA
 from decider.schemas.chat import ChatCompletion, ChatCompletionRequest
 from decider.schemas.decision import BatchDecisionResponse, DecisionResponse
+from decider.schemas.openai_decisions import (
+    MESSAGE_ROLES,
+    OPENAI_MAX_OPTIONS,
+    OPENAI_MAX_QUESTIONS,
+    OPENAI_MIN_CHOICES,
+)
 from decider.settings import Settings
 
-Json = Any  # any JSON value (instructions and option texts of /v1/decisions)
+Json = Any  # any JSON value
 CacheSalt = Any  # checked by decider.schemas.cache_salt, documented as SALT_FIELD_SCHEMA
 # The Jev routes' texts, as decider.schemas.decision checks them: a state, instructions or option text
 # is a string with a non-blank character, a non-empty object or a non-empty array (422 `empty_text`,
 # `invalid_state` otherwise); keys of questions and of choice options are not blank (pydantic writes
 # such a key as `patternProperties`, which leaves other keys free: `KEYED` closes them).
-NonBlank = Annotated[str, StringConstraints(pattern=r"\S")]
+# "Not blank" is `str.strip()`'s (every `str.isspace()` character), spelled out: JSON Schema's `\s` is
+# ECMA-262's, which leaves out U+001C-U+001F and U+0085 and takes in U+FEFF.
+WHITESPACE = "\t-\r\u001c- \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+NonBlank = Annotated[str, StringConstraints(pattern=f"[^{WHITESPACE}]")]
 NonEmptyObject = Annotated[dict[str, Json], Field(min_length=1)]
 NonEmptyArray = Annotated[list[Json], Field(min_length=1)]
 Content = NonBlank | NonEmptyObject | NonEmptyArray
@@ -125,20 +134,107 @@ class JevBatchBody(_Open):
     cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
-class OpenAIQuestion(_Open):
-    type: Literal["predicate", "choice", "score"]
+# /v1/decisions as decider.schemas.openai_decisions checks it. What a schema cannot say is looser here
+# (a choice's text, duplicate values, a call output's call id): such bodies get a typed 422.
+class InputTextPart(_Open):
+    type: Literal["input_text"]
+    text: str
+
+
+class InputJsonPart(_Open):
+    type: Literal["input_json"]
+    data: dict[str, Json] | list[Json]
+
+
+InstructionParts = Annotated[
+    list[Annotated[InputTextPart | InputJsonPart, Field(discriminator="type")]], Field(min_length=1)
+]
+Instructions = NonBlank | InstructionParts
+Parts = Annotated[list[dict[str, Json]], Field(min_length=1)]  # typed parts, by role (docs/engine.md)
+
+
+class Message(_Open):
+    type: Literal["message"] = "message"
+    role: Literal[MESSAGE_ROLES]  # type: ignore[valid-type]
+    content: str | Parts
+
+
+class _Call(_Open):
+    call_id: str
+    name: str
+    namespace: str | None = None
+
+
+class FunctionCall(_Call):
+    type: Literal["function_call"]
+    arguments: str
+
+
+class CustomToolCall(_Call):
+    type: Literal["custom_tool_call"]
+    input: str
+
+
+class CallOutput(_Open):
+    """Follows the call with the same `call_id` (422 `unmatched_call_id` otherwise)."""
+
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str
+    output: str | Parts
+
+
+InputItem = Message | FunctionCall | CustomToolCall | CallOutput
+
+
+class Choice(_Open):
+    value: str | bool
+    description: str | None = None
+
+
+class Level(_Open):
+    label: NonBlank
+    description: str | None = None
+
+
+class Predicate(_Closed):
+    type: Literal["predicate"]
     name: str | None = None
-    instructions: Json | None = None
-    choices: list[dict[str, Json]] | None = None
-    levels: list[dict[str, Json]] | None = None
+    instructions: Instructions
+
+
+class ChoiceOf(_Closed):
+    type: Literal["choice"]
+    name: str | None = None
+    instructions: Instructions
+    choices: list[Choice] = Field(min_length=OPENAI_MIN_CHOICES, max_length=OPENAI_MAX_OPTIONS)
+
+
+class ScoreOf(_Closed):
+    type: Literal["score"]
+    name: str | None = None
+    instructions: Instructions
+    levels: list[Level] = Field(min_length=1, max_length=OPENAI_MAX_OPTIONS)
+
+
+OpenAIQuestion = Annotated[Predicate | ChoiceOf | ScoreOf, Field(discriminator="type")]
 
 
 class OpenAIDecisionBody(_Open):
     """`POST /v1/decisions` (OpenAI's Decisions API, `client.decisions.create`)."""
 
-    input: str | list[dict[str, Json]]
-    questions: list[OpenAIQuestion] = Field(min_length=1, max_length=400)
+    input: NonBlank | Annotated[list[InputItem], Field(min_length=1)]
+    questions: list[OpenAIQuestion] = Field(
+        min_length=1,
+        max_length=OPENAI_MAX_QUESTIONS,
+        description="At most DECIDER_MAX_QUESTIONS where that is lower.",
+    )
     model: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_options: dict[str, Json] | None = None
+    extensions: bool | None = False
+    permutations: Permutations | None = 1
+    mode: Literal["shared", "fresh"] | None = None
     cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
