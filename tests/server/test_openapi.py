@@ -90,11 +90,11 @@ LOOSE_ON_OPENAI = {
 }
 
 
+LIMITS = ("max_questions", "max_options", "max_permutations")
+
+
 def _openai(body: Any) -> None:
     parse_openai_decision_request(body, **{name: Settings.model_fields[name].default for name in LIMITS})
-
-
-LIMITS = ("max_questions", "max_options", "max_permutations")
 
 
 @pytest.mark.parametrize(
@@ -108,10 +108,11 @@ LIMITS = ("max_questions", "max_options", "max_permutations")
 def test_what_the_document_allows_on_the_decision_routes_the_server_parses(
     path: str, parse: Any, loose: set[str]
 ) -> None:
-    """The Jev bodies are parsed by hand (typed codes): bodies generated from the document, as a client
-    or the fuzz below writes them, must pass that parser but for a setting's limit (and `permutations`
-    written as a float, `2.0`: integers are strict, as on the chat route). With `state` documented as
-    any JSON value, no generated decision body was valid (`make fuzz` answered none)."""
+    """The decision bodies are parsed by hand (typed codes): bodies generated from the document, as a
+    client or the fuzz below writes them, must pass those parsers but for a setting's limit (or a
+    float `permutations` such as `2.0`: integers are strict, as on the chat route) and what the
+    schema leaves loose. With `state` and `input` documented as any JSON value, no generated decision
+    body was valid (`make fuzz` answered none)."""
 
     @given(schema[path]["POST"].as_strategy())
     @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
