@@ -27,7 +27,7 @@ from starlette.testclient import TestClient
 
 from decider.errors import RequestError
 from decider.schemas.decision import loads_strict, parse_batch_request, parse_decision_request
-from decider.schemas.openai_decisions import parse_openai_decision_request
+from decider.schemas.openai_decisions import MESSAGE_ROLES, PART_TYPES, parse_openai_decision_request
 from decider.schemas.openapi import WHITESPACE, openapi_document, render
 from decider.server.app import create_app
 from decider.settings import Settings
@@ -51,6 +51,30 @@ def test_the_document_in_docs_is_up_to_date() -> None:
     assert DOCUMENT.read_text() == render(), (
         "run: .venv/bin/python -m decider.schemas.openapi > docs/openapi.json"
     )
+
+
+def test_every_schema_keeps_its_own_name() -> None:
+    """Two models of one name make pydantic rename both (`Choice-Input`, `Choice-Output`): a client
+    generated from the document would see the chat's `Choice` disappear."""
+    names = set(openapi_document()["components"]["schemas"])
+    assert not [name for name in names if name.endswith(("-Input", "-Output"))], sorted(names)
+    assert {"Choice", "AssistantMessage", "ChatMessage", "JevDecisionBody", "OpenAIDecisionBody"} <= names
+
+
+def test_the_input_messages_cover_the_parser_s_roles_and_parts() -> None:
+    """One message model per set of parts the parser takes (decider.schemas.openai_decisions)."""
+    roles = {"InputUserMessage": ("user",), "InputInstructionMessage": ("developer", "system")}
+    roles["InputAssistantMessage"] = ("assistant",)
+    schemas = openapi_document()["components"]["schemas"]
+    assert sorted(r for group in roles.values() for r in group) == sorted(MESSAGE_ROLES)
+    for name, group in roles.items():
+        role = schemas[name]["properties"]["role"]
+        assert set(role.get("enum", [role.get("const")])) == set(group), name
+        parts = schemas[name]["properties"]["content"]["anyOf"][1]["items"]
+        refs = [parts["$ref"]] if "$ref" in parts else [one["$ref"] for one in parts["oneOf"]]
+        documented = {schemas[ref.rsplit("/", 1)[1]]["properties"]["type"]["const"] for ref in refs}
+        for member in group:
+            assert documented == PART_TYPES[member] - {"input_image"}, (name, member)
 
 
 def test_the_document_s_blank_is_the_parsers_blank() -> None:
@@ -79,15 +103,9 @@ def test_the_server_publishes_it() -> None:
 SETTING_LIMITS = {"too_many_questions", "too_many_states", "option_count_unsupported", "invalid_permutations"}
 
 
-# ... and on /v1/decisions, what its schema leaves loose (docs/openapi.json's OpenAIDecisionBody): the
-# parts of a message, a choice without text, duplicate choices, an output before its call.
-LOOSE_ON_OPENAI = {
-    "invalid_parameter",
-    "missing_field",
-    "empty_text",
-    "duplicate_option",
-    "unmatched_call_id",
-}
+# ... and on /v1/decisions, what its schema cannot say (docs/openapi.json's OpenAIDecisionBody): a choice
+# without text, duplicate choices, an output before its call.
+LOOSE_ON_OPENAI = {"empty_text", "duplicate_option", "unmatched_call_id"}
 
 
 LIMITS = ("max_questions", "max_options", "max_permutations")

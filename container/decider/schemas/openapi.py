@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, RootModel, StringConstraints
 from pydantic.json_schema import models_json_schema
 
 from decider import __version__
@@ -26,10 +26,10 @@ from decider.schemas.cache_salt import SALT_FIELD_SCHEMA
 from decider.schemas.chat import ChatCompletion, ChatCompletionRequest
 from decider.schemas.decision import BatchDecisionResponse, DecisionResponse
 from decider.schemas.openai_decisions import (
-    MESSAGE_ROLES,
     OPENAI_MAX_OPTIONS,
     OPENAI_MAX_QUESTIONS,
     OPENAI_MIN_CHOICES,
+    PART_TYPES,
 )
 from decider.settings import Settings
 
@@ -97,7 +97,13 @@ class ScoreQuestion(_Closed):
     )
 
 
-JevQuestion = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+ByType = Field(discriminator="type")
+
+
+class JevQuestion(RootModel[Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, ByType]]):
+    """One question of the Jev routes, by `type`."""
+
+
 JevQuestions = Annotated[
     dict[NonBlank, JevQuestion],
     Field(
@@ -135,7 +141,8 @@ class JevBatchBody(_Open):
 
 
 # /v1/decisions as decider.schemas.openai_decisions checks it. What a schema cannot say is looser here
-# (a choice's text, duplicate values, a call output's call id): such bodies get a typed 422.
+# (a choice's text, duplicate values, a call output's call id): such bodies get a typed 422. Image
+# parts are left out: the server refuses them (`image_not_supported`).
 class InputTextPart(_Open):
     type: Literal["input_text"]
     text: str
@@ -146,17 +153,51 @@ class InputJsonPart(_Open):
     data: dict[str, Json] | list[Json]
 
 
-InstructionParts = Annotated[
-    list[Annotated[InputTextPart | InputJsonPart, Field(discriminator="type")]], Field(min_length=1)
-]
-Instructions = NonBlank | InstructionParts
-Parts = Annotated[list[dict[str, Json]], Field(min_length=1)]  # typed parts, by role (docs/engine.md)
+class OutputTextPart(_Open):
+    type: Literal["output_text"]
+    text: str
 
 
-class Message(_Open):
+class RefusalPart(_Open):
+    type: Literal["refusal"]
+    refusal: str
+
+
+PART_MODELS: dict[str, type[BaseModel]] = {
+    "input_text": InputTextPart,
+    "input_json": InputJsonPart,
+    "output_text": OutputTextPart,
+    "refusal": RefusalPart,
+}  # and `input_image`, which the parser names only to refuse
+
+
+def _parts(where: str) -> Any:
+    """A non-empty array of the part types the parser takes `where` (its PART_TYPES), by `type`."""
+    names = sorted(PART_TYPES[where] - {"input_image"})
+    kinds = tuple(PART_MODELS[name] for name in names)
+    part = Annotated[kinds[0] if len(kinds) == 1 else Union[kinds], ByType]  # noqa: UP007
+    return Annotated[list[part], Field(min_length=1)]  # type: ignore[valid-type]
+
+
+Instructions = NonBlank | _parts("instructions")
+
+
+class InputUserMessage(_Open):
     type: Literal["message"] = "message"
-    role: Literal[MESSAGE_ROLES]  # type: ignore[valid-type]
-    content: str | Parts
+    role: Literal["user"]
+    content: str | _parts("user")  # type: ignore[valid-type]
+
+
+class InputInstructionMessage(_Open):
+    type: Literal["message"] = "message"
+    role: Literal["developer", "system"]
+    content: str | _parts("developer")  # type: ignore[valid-type]  # the same parts as "system"
+
+
+class InputAssistantMessage(_Open):
+    type: Literal["message"] = "message"
+    role: Literal["assistant"]
+    content: str | _parts("assistant")  # type: ignore[valid-type]
 
 
 class _Call(_Open):
@@ -180,18 +221,19 @@ class CallOutput(_Open):
 
     type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
-    output: str | Parts
+    output: str | _parts("output")  # type: ignore[valid-type]
 
 
-InputItem = Message | FunctionCall | CustomToolCall | CallOutput
+InputMessage = InputUserMessage | InputInstructionMessage | InputAssistantMessage
+InputItem = InputMessage | FunctionCall | CustomToolCall | CallOutput
 
 
-class Choice(_Open):
+class DecisionChoice(_Open):
     value: str | bool
     description: str | None = None
 
 
-class Level(_Open):
+class DecisionLevel(_Open):
     label: NonBlank
     description: str | None = None
 
@@ -206,17 +248,18 @@ class ChoiceOf(_Closed):
     type: Literal["choice"]
     name: str | None = None
     instructions: Instructions
-    choices: list[Choice] = Field(min_length=OPENAI_MIN_CHOICES, max_length=OPENAI_MAX_OPTIONS)
+    choices: list[DecisionChoice] = Field(min_length=OPENAI_MIN_CHOICES, max_length=OPENAI_MAX_OPTIONS)
 
 
 class ScoreOf(_Closed):
     type: Literal["score"]
     name: str | None = None
     instructions: Instructions
-    levels: list[Level] = Field(min_length=1, max_length=OPENAI_MAX_OPTIONS)
+    levels: list[DecisionLevel] = Field(min_length=1, max_length=OPENAI_MAX_OPTIONS)
 
 
-OpenAIQuestion = Annotated[Predicate | ChoiceOf | ScoreOf, Field(discriminator="type")]
+class OpenAIQuestion(RootModel[Annotated[Predicate | ChoiceOf | ScoreOf, ByType]]):
+    """One question of `/v1/decisions`, by `type`."""
 
 
 class OpenAIDecisionBody(_Open):
