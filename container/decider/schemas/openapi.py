@@ -114,30 +114,31 @@ JevQuestions = Annotated[
 ]
 
 
-class JevDecisionBody(_Open):
+class _DecisionFields(_Open):
+    """What every decision route takes beside its state(s) and questions (decider.schemas.decision's
+    DecisionOptions; /v1/decisions passes them through)."""
+
+    model: str | None = None
+    extensions: bool | None = False
+    permutations: Permutations | None = 1
+    mode: Literal["shared", "fresh"] | None = None
+    cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
+
+
+class JevDecisionBody(_DecisionFields):
     """`POST /v1/systemone` (Jev / SemIf): one state, typed questions by key. Other top-level fields
     are ignored (clients add metadata), except `assets` (422 `unsupported_field`)."""
 
     state: Content
     questions: JevQuestions
-    model: str | None = None
-    extensions: bool | None = False
-    permutations: Permutations | None = 1
-    mode: Literal["shared", "fresh"] | None = None
-    cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
-class JevBatchBody(_Open):
+class JevBatchBody(_DecisionFields):
     """`POST /v1/systemone/batch`: many states (at most DECIDER_MAX_BATCH_STATES), the same questions
     for each."""
 
     states: list[Content] = Field(min_length=1)
     questions: JevQuestions
-    model: str | None = None
-    extensions: bool | None = False
-    permutations: Permutations | None = 1
-    mode: Literal["shared", "fresh"] | None = None
-    cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
 # /v1/decisions as decider.schemas.openai_decisions checks it. What a schema cannot say is looser here
@@ -262,7 +263,7 @@ class OpenAIQuestion(RootModel[Annotated[Predicate | ChoiceOf | ScoreOf, ByType]
     """One question of `/v1/decisions`, by `type`."""
 
 
-class OpenAIDecisionBody(_Open):
+class OpenAIDecisionBody(_DecisionFields):
     """`POST /v1/decisions` (OpenAI's Decisions API, `client.decisions.create`)."""
 
     input: NonBlank | Annotated[list[InputItem], Field(min_length=1)]
@@ -271,14 +272,9 @@ class OpenAIDecisionBody(_Open):
         max_length=OPENAI_MAX_QUESTIONS,
         description="At most DECIDER_MAX_QUESTIONS where that is lower.",
     )
-    model: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     prompt_cache_options: dict[str, Json] | None = None
-    extensions: bool | None = False
-    permutations: Permutations | None = 1
-    mode: Literal["shared", "fresh"] | None = None
-    cache_salt: CacheSalt = Field(None, json_schema_extra=SALT_FIELD_SCHEMA)
 
 
 class OpenAIDecision(_Open):
