@@ -38,6 +38,10 @@ DECISION: dict[str, Any] = {
         },
     },
 }
+
+# A state over typesafe-sdk's 1 KiB floor for zstd bodies, in few tokens: a run of one character is a
+# handful of SmolLM2's (1,100 '=' are 18), where 1 KiB of prose is ~600, seconds of a core each time.
+LONG_BODY_STATE = DECISION["state"] + "\n" + "=" * 1100
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "seed": 7}
 
 # A chat whose text its response format fixes: `"Hello, world. Bye!"`, quotes included. A server with

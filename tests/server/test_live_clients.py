@@ -11,7 +11,7 @@ import httpx2
 import openai
 import pytest
 import typesafe_sdk
-from server_helpers import CHAT, DECISION, FORCED_CHAT, FORCED_TEXT, assert_error_body
+from server_helpers import CHAT, DECISION, FORCED_CHAT, FORCED_TEXT, LONG_BODY_STATE, assert_error_body
 from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
 
 from decider_dev.local_server import LocalServer
@@ -135,7 +135,7 @@ def test_typesafe_sdk_zstd_bodies_answer_as_plain_ones(
     def record(request: httpx2.Request) -> None:
         sent.append(request.headers.get("content-encoding"))
 
-    state = DECISION["state"] + " The order number is 4411." * 60  # well over the SDK's 1 KiB floor
+    state = LONG_BODY_STATE
     questions = {"refund": Noul(instructions="Does the customer ask for a refund?")}
     with (
         httpx2.Client(timeout=60, event_hooks={"request": [record]}) as http,

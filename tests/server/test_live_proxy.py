@@ -17,7 +17,7 @@ import openai
 import pytest
 import typesafe_sdk
 from jevcompat.runner import run as jevcompat_run
-from server_helpers import CHAT, DECISION, FORCED_CHAT, FORCED_TEXT, assert_error_body
+from server_helpers import CHAT, DECISION, FORCED_CHAT, FORCED_TEXT, LONG_BODY_STATE, assert_error_body
 from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
 
 from decider_cli.proxy import async_sagemaker_http_client, sagemaker_http_client
@@ -134,7 +134,7 @@ def test_typesafe_sdk_through_the_proxy_equals_direct(live_server: LocalServer, 
 def test_typesafe_sdk_zstd_bodies_through_the_proxy(live_server: LocalServer, proxy: RunningProxy) -> None:
     # the SDK's default: zstd for bodies of 1 KiB or more (InvokeEndpoint carries no Content-Encoding,
     # so the proxy undoes it); the same answer as an uncompressed body sent direct
-    state = DECISION["state"] + " The order number is 4411." * 60
+    state = LONG_BODY_STATE
     questions = {"refund": Noul(instructions="Does the customer ask for a refund?")}
     answers = []
     for base_url, compression in ((proxy.base_url, None), (live_server.base_url, False)):
