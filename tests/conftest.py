@@ -83,6 +83,17 @@ def gemma3_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """SmolLM2's architecture (attention only), tiny and random, with SmolLM2's tokenizer and template
+    (tools/dev/llama_gguf.py): for claims that hold bit for bit or count tokens and cells, and for
+    servers under test for what they do with a body, never for the answer, at a fraction of SmolLM2's
+    cost."""
+    from decider_dev.llama_gguf import write_llama
+
+    return write_llama(tmp_path_factory.mktemp("llama") / "tiny-llama-Q4_1.gguf", smollm2_path)
+
+
+@pytest.fixture(scope="session")
 def engine(smollm2_path: Path) -> Iterator[Any]:
     """One SmolLM2-135M DecisionEngine with the default settings, shared by the whole session."""
     from decider.engine import DecisionEngine

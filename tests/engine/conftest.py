@@ -1,5 +1,5 @@
-"""Fixtures of the engine tests: tiny random-weight GGUFs (Qwen3.5, SmolLM2's attention-only
-architecture, and Gemma 3's sliding window), each written once per session."""
+"""Fixtures of the engine tests: tiny random-weight GGUFs (Qwen3.5 and Gemma 3's sliding window; SmolLM2's
+attention-only architecture is `llama_path`, in tests/conftest.py), each written once per session."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from decider_dev.gemma3_gguf import write_gemma3
-from decider_dev.llama_gguf import write_llama
 from decider_dev.qwen35_gguf import write_qwen35
 
 
@@ -19,13 +18,6 @@ def qwen35_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) ->
     """The production architecture (qwen35: recurrent and attention layers), tiny
     (tools/dev/qwen35_gguf.py)."""
     return write_qwen35(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35-Q4_1.gguf", smollm2_path)
-
-
-@pytest.fixture(scope="session")
-def llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """SmolLM2's architecture (attention only), tiny and random (tools/dev/llama_gguf.py): for claims
-    that hold bit for bit or count tokens and cells, at a fraction of SmolLM2's cost."""
-    return write_llama(tmp_path_factory.mktemp("llama") / "tiny-llama-Q4_1.gguf", smollm2_path)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The quality gate of the CI example, end to end: the pipeline's `promote apply` block and
 buildspec/quality-gate.sh run for real in bash, against moto (the control plane, through AWS_ENDPOINT_URL)
-and the SageMaker runtime stand-in (tools/cli/proxy/standin.py) in front of the real server on the
-bundled model.
+and the SageMaker runtime stand-in (tools/cli/proxy/standin.py) in front of the real server. The server runs
+the tiny random model (`llama_path`, SmolLM2's tokenizer): the gate's mechanics are under
+test, not its answers, and a decision costs it a few ms where SmolLM2 spent ~0.2 s of a core.
 
 Three promotions of one endpoint outside CDK:
 1. no baseline yet: the gate passes and the run becomes the baseline;
@@ -9,7 +10,7 @@ Three promotions of one endpoint outside CDK:
 3. answers that now disagree with every label: `check` fails, `promote rollback` puts the config of
    promotion 2 back live, and the baseline stays promotion 2's.
 The labels come from the model's own answers (agreeing, then contrary), so the outcome does not depend on
-what a 135M model gets right.
+what the model gets right.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def apply_block() -> str:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LocalServer]:
-    with run_local_server({"DECIDER_N_THREADS": "1", **WITHOUT_LOAD_PROBE}) as running:
+def server(llama_path: Path) -> Iterator[LocalServer]:
+    env = {"DECIDER_MODEL_PATH": str(llama_path), "DECIDER_N_THREADS": "1", **WITHOUT_LOAD_PROBE}
+    with run_local_server(env) as running:
         yield running
 
 

@@ -54,30 +54,30 @@ def _schema_format(schema: Any) -> dict[str, Any]:
 
 @pytest.mark.server
 @pytest.mark.model
-def test_the_requests_that_crashed_are_answered(live_server: LocalServer) -> None:
+def test_the_requests_that_crashed_are_answered(tiny_server: LocalServer) -> None:
     for schema in (BIG_STRING, BIG_ARRAY):
-        response = _chat(live_server, response_format=_schema_format(schema))
+        response = _chat(tiny_server, response_format=_schema_format(schema))
         assert response.status_code == 200, response.text
-    response = _chat(live_server, response_format=_schema_format({"enum": ["x" * 70_000]}))
+    response = _chat(tiny_server, response_format=_schema_format({"enum": ["x" * 70_000]}))
     assert response.status_code in (413, 422), response.text
     if response.status_code == 422:
         assert_error_body(response.json(), "response_format_too_complex", status=422)
         assert response.json()["error"]["param"] == "response_format.json_schema.schema"
-    assert live_server.ping() == 200
+    assert tiny_server.ping() == 200
 
 
 @pytest.mark.server
 @pytest.mark.model
-def test_stop_strings_and_logit_bias_are_bounded(live_server: LocalServer) -> None:
-    response = _chat(live_server, stop=["ok", "x" * 10_000])
+def test_stop_strings_and_logit_bias_are_bounded(tiny_server: LocalServer) -> None:
+    response = _chat(tiny_server, stop=["ok", "x" * 10_000])
     assert response.status_code == 422, response.text
     assert_error_body(response.json(), "stop_too_long", status=422)
     assert response.json()["error"]["param"] == "stop.1"
-    response = _chat(live_server, logit_bias={"50256": -100})
+    response = _chat(tiny_server, logit_bias={"50256": -100})
     assert response.status_code == 422, response.text
     assert_error_body(response.json(), "unsupported_parameter", status=422)
     assert response.json()["error"]["param"] == "logit_bias"
-    assert _chat(live_server, stop=["x" * 256], logit_bias={}).status_code == 200
+    assert _chat(tiny_server, stop=["x" * 256], logit_bias={}).status_code == 200
 
 
 bounds = st.integers(0, 8) | st.integers(0, 300_000)
@@ -133,20 +133,20 @@ json_schemas = st.recursive(leaf_schemas, _containers, max_leaves=8)
     database=None,
 )
 @given(schema=json_schemas)
-def test_generated_schemas_never_hurt_the_server(live_server: LocalServer, schema: Any) -> None:
-    response = _chat(live_server, response_format=_schema_format(schema))
+def test_generated_schemas_never_hurt_the_server(tiny_server: LocalServer, schema: Any) -> None:
+    response = _chat(tiny_server, response_format=_schema_format(schema))
     assert response.status_code == 200 or 400 <= response.status_code < 500, (
         response.status_code,
         response.text,
     )
     if response.status_code != 200:
         assert_error_body(response.json())
-    assert live_server.ping() == 200
+    assert tiny_server.ping() == 200
 
 
 @pytest.mark.server
 @pytest.mark.model
-def test_server_survived_the_schemas(live_server: LocalServer) -> None:
-    if isinstance(live_server, LocalServer):
-        assert live_server.process.poll() is None
-        assert "Traceback" not in live_server.logs()
+def test_server_survived_the_schemas(tiny_server: LocalServer) -> None:
+    if isinstance(tiny_server, LocalServer):
+        assert tiny_server.process.poll() is None
+        assert "Traceback" not in tiny_server.logs()

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,7 @@ from decider.schemas.openai_decisions import MESSAGE_ROLES, PART_TYPES, parse_op
 from decider.schemas.openapi import WHITESPACE, openapi_document, render
 from decider.server.app import create_app
 from decider.settings import Settings
-from decider_dev.llama_gguf import write_llama
-from decider_dev.local_server import (
-    WITHOUT_LOAD_PROBE,
-    LocalServer,
-    RemoteServer,
-    remote_server,
-    run_local_server,
-)
+from decider_dev.local_server import LocalServer, RemoteServer
 
 DOCUMENT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 EXAMPLES = int(os.environ.get("DECIDER_FUZZ_EXAMPLES", "4"))
@@ -147,25 +139,6 @@ def test_what_the_document_allows_on_the_decision_routes_the_server_parses(
     parsed()
 
 
-@pytest.fixture(scope="module")
-def fuzzed_server(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
-) -> Iterator[LocalServer | RemoteServer]:
-    """What the fuzz sends to: the running image under `make image-test`, else a local server on the
-    tiny random attention-only model (tools/dev/llama_gguf.py; SmolLM2's tokenizer and template). The
-    fuzz is about what the server does with a body, never about the answer, and the document lets valid
-    decisions through: SmolLM2 spent ~0.6 s of a core on each, the tiny model a few ms."""
-    remote = remote_server()
-    if remote is not None:
-        remote.wait_ready(60)
-        yield remote
-        return
-    model = write_llama(tmp_path_factory.mktemp("fuzz") / "tiny-llama-Q4_1.gguf", smollm2_path)
-    env = {"DECIDER_MODEL_PATH": str(model), "DECIDER_N_THREADS": "1", **WITHOUT_LOAD_PROBE}
-    with run_local_server(env) as server:
-        yield server
-
-
 def _short(case: Any) -> None:
     """Keep generations short: a chat body generates 2 tokens at most. Only values the document allows
     are changed (to values it allows): a body made to break the document must stay broken, or the
@@ -190,12 +163,12 @@ def _short(case: Any) -> None:
     suppress_health_check=list(HealthCheck),
     database=None,
 )
-def test_schemathesis(case: Any, fuzzed_server: LocalServer | RemoteServer) -> None:
+def test_schemathesis(case: Any, tiny_server: LocalServer | RemoteServer) -> None:
     _short(case)
     # Valid by the document is not always valid by the server (limits, option counts, context): a
     # typed 4xx then, which the response checks hold to the documented error body.
     response = case.call_and_validate(
-        base_url=fuzzed_server.base_url, timeout=60, excluded_checks=[positive_data_acceptance]
+        base_url=tiny_server.base_url, timeout=60, excluded_checks=[positive_data_acceptance]
     )
     code = ""
     if response.status_code >= 400:
@@ -211,11 +184,11 @@ def test_schemathesis(case: Any, fuzzed_server: LocalServer | RemoteServer) -> N
 
 @pytest.mark.server
 @pytest.mark.model
-def test_the_server_lives_through_the_fuzzing(fuzzed_server: LocalServer | RemoteServer) -> None:
-    assert httpx.get(f"{fuzzed_server.base_url}/ping", timeout=10).status_code == 200
-    if isinstance(fuzzed_server, LocalServer):
-        assert fuzzed_server.process.poll() is None
-        assert "Traceback" not in fuzzed_server.logs()
+def test_the_server_lives_through_the_fuzzing(tiny_server: LocalServer | RemoteServer) -> None:
+    assert httpx.get(f"{tiny_server.base_url}/ping", timeout=10).status_code == 200
+    if isinstance(tiny_server, LocalServer):
+        assert tiny_server.process.poll() is None
+        assert "Traceback" not in tiny_server.logs()
     if SUMMARY:
         lines = [f"{count:6d}  {key}" for key, count in sorted(ANSWERS.items())]
         Path(SUMMARY).write_text(
