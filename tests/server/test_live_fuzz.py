@@ -1,5 +1,6 @@
 """Property-based fuzzing of request bodies and headers against the real server: whatever is
-sent, the answer is never a 5xx, every error has the error body, and the server keeps serving."""
+sent, the answer is never a 5xx, every error has the error body, and the server keeps serving. What the
+server does with a body is under test, not the answer: it runs the tiny random model (`tiny_server`)."""
 
 from __future__ import annotations
 
@@ -175,14 +176,14 @@ def _short(body: bytes) -> bytes:
     custom_attributes=attributes,
 )
 def test_bad_bodies_never_get_a_5xx(
-    live_server: LocalServer, path: str, body: bytes, content_type: str | None, custom_attributes: str | None
+    tiny_server: LocalServer, path: str, body: bytes, content_type: str | None, custom_attributes: str | None
 ) -> None:
     headers = {}
     if content_type is not None:
         headers["Content-Type"] = content_type
     if custom_attributes is not None:
         headers["X-Amzn-SageMaker-Custom-Attributes"] = custom_attributes
-    response = httpx.post(f"{live_server.base_url}{path}", content=_short(body), headers=headers, timeout=60)
+    response = httpx.post(f"{tiny_server.base_url}{path}", content=_short(body), headers=headers, timeout=60)
     assert response.status_code < 500, (response.status_code, response.text)
     if response.status_code >= 400:
         assert_error_body(response.json())
@@ -192,14 +193,14 @@ def test_bad_bodies_never_get_a_5xx(
         assert isinstance(response.json(), dict)
 
 
-def test_server_still_serves_after_fuzzing(live_server: LocalServer) -> None:
-    assert live_server.ping() == 200
-    assert httpx.post(f"{live_server.base_url}/invocations", json=DECISION, timeout=60).status_code == 200
+def test_server_still_serves_after_fuzzing(tiny_server: LocalServer) -> None:
+    assert tiny_server.ping() == 200
+    assert httpx.post(f"{tiny_server.base_url}/invocations", json=DECISION, timeout=60).status_code == 200
     openai_body = {"input": "x", "questions": [{"type": "predicate", "instructions": "?"}]}
-    assert httpx.post(f"{live_server.base_url}/invocations", json=openai_body, timeout=60).status_code == 200
-    assert httpx.post(f"{live_server.base_url}/invocations", json=CHAT, timeout=60).status_code == 200
+    assert httpx.post(f"{tiny_server.base_url}/invocations", json=openai_body, timeout=60).status_code == 200
+    assert httpx.post(f"{tiny_server.base_url}/invocations", json=CHAT, timeout=60).status_code == 200
     # A remote server's process and logs belong to whoever started it: `make image-test` checks
     # that the container still runs and logged no traceback.
-    if isinstance(live_server, LocalServer):
-        assert live_server.process.poll() is None
-        assert "Traceback" not in live_server.logs()
+    if isinstance(tiny_server, LocalServer):
+        assert tiny_server.process.poll() is None
+        assert "Traceback" not in tiny_server.logs()
