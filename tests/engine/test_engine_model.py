@@ -232,10 +232,12 @@ def test_up_to_255_options_are_exact_distributions(hybrid, n, two_letter, readou
     assert answer.extensions["option_labels"] == [label.text for label in labels.for_count(n)]
 
 
-def test_multi_token_labels_score_their_exact_sequence_probability(invariant_engine):
+def test_multi_token_labels_score_their_exact_sequence_probability(invariant_llama):
     """Recompute two labels' log-probabilities by hand: the prompt, then each label token in turn,
     full-vocabulary log-softmax at every position (chain rule), in a fresh sequence."""
-    engine = invariant_engine  # the hand computation decodes other batch shapes: same bits needed
+    # the hand computation decodes other batch shapes: the same bits needed (batch invariance), and
+    # SmolLM2's tokenizer, whatever the weights (the tiny attention-only model)
+    engine = invariant_llama
     table = _two_letter_table(engine, single_limit=4)  # so that a short question shows two-letter codes
     two_tokens = next(i for i, label in enumerate(table.double) if len(label.tokens) == 2)
     count = max(two_tokens + 1, 5)  # the fewest options whose codes include a two-token one
@@ -280,8 +282,10 @@ def test_more_options_than_supported_are_refused_and_one_candidate_needs_no_mode
     assert single.usage.input_tokens == 0
 
 
-def test_permutations_average_aligned_logits(invariant_engine):
-    engine = invariant_engine  # averaged logits compared with single runs: the same bits needed
+def test_permutations_average_aligned_logits(invariant_llama):
+    # averaged logits compared with single runs: the same bits needed (batch invariance), and no
+    # answer's value (the tiny attention-only model)
+    engine = invariant_llama
     question = {
         "type": "choice",
         "instructions": "Which?",

@@ -352,6 +352,13 @@ def smollm2(smollm2_path: Path) -> Iterator[DecisionEngine]:
 
 
 @pytest.fixture(scope="module")
+def llama(llama_path: Path) -> Iterator[DecisionEngine]:
+    """The tiny attention-only model (SmolLM2's architecture and tokenizer, random weights), for the
+    claims that are bitwise or count decodes: no answer is compared with another engine's."""
+    yield from load(llama_path)
+
+
+@pytest.fixture(scope="module")
 def smollm2_uncached(smollm2_path: Path) -> Iterator[DecisionEngine]:
     yield from load(smollm2_path, state_cache_seqs=0, repeat_cache_entries=0)
 
@@ -403,7 +410,7 @@ def test_a_kept_state_is_copied_and_only_the_new_tokens_are_decoded(
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("cached", ["smollm2", "qwen35"], indirect=True)
+@pytest.mark.parametrize("cached", ["llama", "qwen35"], indirect=True)
 def test_an_exact_repeat_is_answered_without_a_decode(cached: DecisionEngine) -> None:
     """The same question on the same state: its raw readouts are read back, permutation averaging and
     temperature applied as before, so the answer is bitwise the first one."""
@@ -453,7 +460,7 @@ def submit_beside(engine: DecisionEngine, body: dict[str, Any], *, cancel_first:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("cached", ["smollm2", "qwen35"], indirect=True)
+@pytest.mark.parametrize("cached", ["llama", "qwen35"], indirect=True)
 def test_the_same_request_sent_again_while_it_runs_waits_for_its_readouts(cached: DecisionEngine) -> None:
     """An agent's retry, a coherence run's parallel asks: the second request decodes nothing, and its
     answers are bitwise the first's."""
@@ -711,10 +718,10 @@ def test_a_constrained_chat_reuses_only_the_kv_cells(smollm2: DecisionEngine) ->
 
 
 @pytest.mark.model
-def test_batch_invariance_keeps_no_chat_turn(invariant_engine: DecisionEngine) -> None:
+def test_batch_invariance_keeps_no_chat_turn(invariant_llama: DecisionEngine) -> None:
     """No sequence is kept in that mode (memory epochs): every turn is prefilled from the start."""
-    usages, _messages = converse(invariant_engine, [opening(), "What should I do now?"], max_tokens=3)
-    assert invariant_engine._local.loop.caches.states is None
+    usages, _messages = converse(invariant_llama, [opening(), "What should I do now?"], max_tokens=3)
+    assert invariant_llama._local.loop.caches.states is None
     assert [usage.cached_tokens for usage in usages] == [0, 0]
 
 
@@ -738,8 +745,9 @@ def test_kept_chat_turns_give_way_to_a_chat_that_needs_their_cells(qwen35_path: 
         assert_released(engine)
 
 
-def test_partial_hits_follow_their_setting(smollm2: DecisionEngine, smollm2_path: Path) -> None:
-    """DECIDER_CACHE_PARTIAL_HITS=false leaves SmolLM2 (which allows them) exact hits only."""
-    assert smollm2._local.loop.caches.states.partial
-    for engine in load(smollm2_path, cache_partial_hits=False):
+def test_partial_hits_follow_their_setting(llama: DecisionEngine, llama_path: Path) -> None:
+    """DECIDER_CACHE_PARTIAL_HITS=false leaves SmolLM2's architecture (which allows them) exact hits
+    only."""
+    assert llama._local.loop.caches.states.partial
+    for engine in load(llama_path, cache_partial_hits=False):
         assert not engine._local.loop.caches.states.partial

@@ -56,7 +56,7 @@ class Synth:
 
 
 def run_synth(outdir: Path, context: dict[str, Any] | None = None, *, nag: bool = True) -> Synth:
-    from decider_stacks.synth import synthesize_assembly
+    from decider_stacks.synth import synthesize_assembly, templates_of
 
     try:
         decider, assembly = synthesize_assembly(outdir, context, nag=nag)
@@ -64,7 +64,7 @@ def run_synth(outdir: Path, context: dict[str, Any] | None = None, *, nag: bool 
         report = outdir / "validation-report.json"
         detail = report.read_text() if report.exists() else ""
         raise AssertionError(f"synth failed: {error}\n{detail}") from None
-    templates = {stack.stack_name: stack.template for stack in assembly.stacks}
+    templates = templates_of(assembly)
     return Synth(outdir=outdir, templates=templates, decider=decider)
 
 
