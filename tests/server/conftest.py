@@ -32,15 +32,20 @@ LIVE_ENV = {"DECIDER_N_THREADS": "1"}
 REMOTE_READY_TIMEOUT_SECONDS = 60
 
 
-@pytest.fixture(scope="session")
-def live_server() -> Iterator[LocalServer | RemoteServer]:
+def _running_or_local(env: dict[str, str]) -> Iterator[LocalServer | RemoteServer]:
+    """The server named by DECIDER_TEST_BASE_URL once it is ready, else a local one with `env`."""
     remote = remote_server()
     if remote is not None:
         remote.wait_ready(REMOTE_READY_TIMEOUT_SECONDS)
         yield remote
         return
-    with run_local_server(LIVE_ENV) as server:
+    with run_local_server(env) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LocalServer | RemoteServer]:
+    yield from _running_or_local(LIVE_ENV)
 
 
 @pytest.fixture(scope="session")
@@ -60,11 +65,4 @@ def tiny_server(llama_path: Path) -> Iterator[LocalServer | RemoteServer]:
     model (`llama_path`: SmolLM2's tokenizer and template, so prompts, labels and grammars are the
     same). A decision of a few hundred tokens costs it a few ms, where SmolLM2 spends about
     half a second of a core."""
-    remote = remote_server()
-    if remote is not None:
-        remote.wait_ready(REMOTE_READY_TIMEOUT_SECONDS)
-        yield remote
-        return
-    env = {**LIVE_ENV, "DECIDER_MODEL_PATH": str(llama_path), **WITHOUT_LOAD_PROBE}
-    with run_local_server(env) as server:
-        yield server
+    yield from _running_or_local({**LIVE_ENV, "DECIDER_MODEL_PATH": str(llama_path), **WITHOUT_LOAD_PROBE})

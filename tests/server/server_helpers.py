@@ -12,7 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
-from decider_dev.local_server import BASE_URL_ENV, free_port, remote_server
+from decider_dev.local_server import BASE_URL_ENV, LocalServer, RemoteServer, free_port, remote_server
 
 # For tests that start a server with settings of their own (a tiny queue, a broken model, SIGTERM):
 # they cannot run against the one server named by DECIDER_TEST_BASE_URL.
@@ -81,6 +81,15 @@ LONG_ANSWER: dict[str, Any] = {
         },
     },
 }
+
+
+def assert_survived(server: LocalServer | RemoteServer) -> None:
+    """A local server's process still runs and logged no traceback. A running one's process and logs
+    belong to whoever started it: `make image-test` checks that the container still runs and logged
+    no traceback."""
+    if isinstance(server, LocalServer):
+        assert server.process.poll() is None
+        assert "Traceback" not in server.logs()
 
 
 def assert_error_body(body: Any, code: str | None = None, *, status: int | None = None) -> None:

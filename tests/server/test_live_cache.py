@@ -176,6 +176,6 @@ def test_every_route_takes_a_cache_salt(tiny_server: LocalServer) -> None:
 def test_the_host_tier_is_sized_from_the_memory_left_and_reported(tiny_server: LocalServer) -> None:
     """DECIDER_STATE_CACHE_HOST_MIB unset: the engine child sizes the tier once the model is loaded
     (decider.memory_budget: half of what the limit leaves after the engine, the model file and 1 GiB),
-    and /metrics says how much it got. This machine leaves gigabytes beside SmolLM2."""
+    and /metrics says how much it got. This machine leaves gigabytes beside the model."""
     budget = cache_counters(tiny_server)[("decider_cache_host_budget_bytes",)]
     assert 1024**3 <= budget <= 8 * 1024**3

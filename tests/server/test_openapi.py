@@ -22,6 +22,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from server_fakes import FakeEngine
+from server_helpers import assert_survived
 from starlette.testclient import TestClient
 
 from decider.errors import RequestError
@@ -186,9 +187,7 @@ def test_schemathesis(case: Any, tiny_server: LocalServer | RemoteServer) -> Non
 @pytest.mark.model
 def test_the_server_lives_through_the_fuzzing(tiny_server: LocalServer | RemoteServer) -> None:
     assert httpx.get(f"{tiny_server.base_url}/ping", timeout=10).status_code == 200
-    if isinstance(tiny_server, LocalServer):
-        assert tiny_server.process.poll() is None
-        assert "Traceback" not in tiny_server.logs()
+    assert_survived(tiny_server)
     if SUMMARY:
         lines = [f"{count:6d}  {key}" for key, count in sorted(ANSWERS.items())]
         Path(SUMMARY).write_text(
