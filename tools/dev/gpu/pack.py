@@ -1,8 +1,8 @@
 """`make bench-gpu`: pack what a GPU machine needs into `gpu-pack/`, check the size, print the command.
 
-The GPU machine (one H200; nvcc 13, CMake, ninja, Python 3.12; no network) receives this working
-tree, at most 64 MiB of it, and runs one command of at most 10 minutes at a time. So everything it
-needs travels in `gpu-pack/` (gitignored; named in the device tool's `carry`):
+The GPU machine (one H100 or H200, the same image; nvcc 13, CMake, ninja, Python 3.12; no network)
+receives this working tree, at most 64 MiB of it, and runs one command of at most 10 minutes at a
+time. So everything it needs travels in `gpu-pack/` (gitignored; named in the device tool's `carry`):
 
 - `wheels/`: the runtime and benchmark dependencies as CPython 3.12 manylinux x86_64 or pure-Python
   wheels, at the versions this venv runs (its `pip freeze` is the constraint file), and
@@ -86,7 +86,7 @@ GGML_BACKENDS_KEPT = ("ggml-cpu", "ggml-cuda")
 REMOTE_COMMAND = "bash tools/dev/gpu/remote.sh"
 DOCKERFILE = Path("container") / "Dockerfile"
 CUDA_STAGE = "build-cuda"
-MACHINE_ARCHITECTURES = "90"  # the H200 there
+MACHINE_ARCHITECTURES = "90"  # the H100 and the H200 lent there are both compute capability 9.0
 GPU_SNAPSHOT = Path("tests/stacks/__snapshots__/test_snapshots/test_template_matches_snapshot[GpuStack].json")
 
 Runner = Callable[[Sequence[str]], None]
