@@ -120,17 +120,20 @@ def test_queue_overflow_is_429_with_retry_after_at_once(tight_server: LocalServe
         with httpx.Client(base_url=tight_server.base_url, timeout=60) as client:
             barrier.wait()
             started = time.perf_counter()
-            # All eight land within milliseconds, so a short chat holds the queue long enough; a long
-            # one could meet the 2 s deadline on a loaded machine and leave no 200 to see.
+            # All eight land within milliseconds, so a short chat holds the queue long enough.
             response = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "seed": i})
             return response.status_code, time.perf_counter() - started, response
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         results = list(pool.map(call, range(8)))
     statuses = [status for status, _, _ in results]
-    assert 429 in statuses and 200 in statuses, statuses
+    # Some took the places and were served, or ran out of the 2 s deadline there: the engine runs at
+    # nice +5, so beside two nice-0 busy loops even these 4-token chats passed it (measured).
+    assert 429 in statuses and {200, 504} & set(statuses), statuses
     assert set(statuses) <= {200, 429, 503, 504}, statuses
     for status, elapsed, response in results:
+        if status == 504:
+            assert_error_body(response.json(), "deadline_exceeded")
         if status == 429:
             assert_error_body(response.json(), "queue_full")
             assert int(response.headers["Retry-After"]) >= 1

@@ -196,6 +196,20 @@ def test_the_servers_survived(live_server: LocalServer, tiny_server: LocalServer
     assert_survived(tiny_server)
 
 
+def test_the_vocabulary_is_read_while_the_model_loads(llama_path: Path) -> None:
+    """decider.server.runtime reads it before `/ping` turns 200, so the first chat with a
+    response_format does not read it (49,152 tokens here, SmolLM2's tokenizer) inside its deadline."""
+    if remote_server() is not None:
+        pytest.skip("reads a local server's log")
+    env = {"DECIDER_N_THREADS": "1", "DECIDER_MODEL_PATH": str(llama_path), **WITHOUT_LOAD_PROBE}
+    with run_local_server(env) as server:  # ready
+        lines = server.logs().splitlines()
+        [read] = [i for i, line in enumerate(lines) if "vocabulary read: 49152 tokens" in line]
+        [ready] = [i for i, line in enumerate(lines) if "model ready" in line]
+        assert read < ready
+        assert _chat(server, {"type": "object"}, max_tokens=4).status_code == 200
+
+
 WIDE = {
     "type": "object",
     "properties": {"a": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}},
