@@ -16,7 +16,7 @@ without a bound and kept unbounded parse stacks; see docs/structured-output.md).
 - **Vocabulary.** The mask is computed from the model's own vocabulary: every token's bytes from
   the GGUF (`llama_token_to_piece`), control tokens marked special (they are never allowed
   inside JSON), every end-of-generation token accepted as the end. Built once per loaded model
-  (`vocabulary`) and cached.
+  (`vocabulary`) and cached; the server builds it while the model loads (decider.server.runtime).
 - **Bounds.** A schema past a bound is a `ConstraintError` with code `response_format_too_complex`
   (422), `path` naming the field when it can be told; a keyword llguidance does not implement is
   `invalid_response_format` naming it. The first mask is computed while planning, so a schema
