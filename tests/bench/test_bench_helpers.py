@@ -342,7 +342,7 @@ def test_the_schema_fuzz_sends_an_outlier_again_and_keeps_the_median(monkeypatch
 
     monkeypatch.setattr(schema_corpus, "_beside", fake_beside)
     monkeypatch.setattr(schema_corpus, "decide", lambda client, url: alone.pop(0))
-    monkeypatch.setattr(schema_corpus, "restarts", lambda client, url: 0.0)
+    monkeypatch.setattr(schema_corpus, "engine_restarts", lambda url: 0.0)
     items = list(schema_corpus.run("http://127.0.0.1:1", [("slow", {}), ("fast", {})], 8))
     counts = items[-1].counts()
     assert beside == {"slow": [], "fast": [], None: []} and alone == []  # the slow one five times, paired

@@ -17,24 +17,14 @@ from decider_stacks.synth import cdk_json_context
 
 ACCOUNT, REGION = "123456789012", "eu-west-1"
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-SERVICES = (
-    "service-quotas",
-    "sagemaker",
-    "ssm",
-    "cloudformation",
-    "s3",
-    "sts",
-    "logs",
-    "cloudwatch",
-    "application-autoscaling",
-)
 
 
 @pytest.fixture
 def aws(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
         monkeypatch.setenv(name, value)
-    clients = {name: boto3.client(name, region_name=REGION) for name in SERVICES}
+    # a stubbed client for each that preflight makes
+    clients = {name: boto3.client(name, region_name=REGION) for name in cli.SERVICES}
     stubs = {name: Stubber(client) for name, client in clients.items()}
     for stub in stubs.values():
         stub.activate()

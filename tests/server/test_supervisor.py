@@ -30,7 +30,7 @@ from server_helpers import DECISION, LONG_ANSWER, assert_error_body
 
 from decider.errors import EXIT_ENGINE_CRASHING, OverloadedError
 from decider.server.supervisor import CRASH_BUDGET, CrashLedger, HeldBodies, Running, fingerprint
-from decider_dev.local_server import LocalServer, free_port, run_local_server
+from decider_dev.local_server import LocalServer, engine_restarts, free_port, run_local_server
 
 FRONT = Path(__file__).with_name("fake_engine_front.py")
 RECOVERY_S = 10.0  # issue 31: the engine serving again within 10 s of its death, on the bundled model
@@ -133,6 +133,7 @@ def test_a_crash_answers_what_ran_503_and_the_next_request_is_served(front: Fron
     assert after.status_code == 200 and after.json()["echo"] == {"n": 2}
     metrics = httpx.get(f"{front.base}/metrics").text
     assert "decider_engine_restarts_total 1.0" in metrics
+    assert engine_restarts(front.base) == 1  # what the soak and the schema corpus read
     log = front.output()
     request_id = crashed.headers["x-request-id"]
     assert f"engine process died (signal SIGABRT) while running 1 request(s): {request_id} POST /echo" in log

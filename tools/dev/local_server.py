@@ -92,6 +92,20 @@ def default_model_path() -> str:
     return str(smollm2_path())
 
 
+RESTARTS_SERIES = "decider_engine_restarts_total"
+
+
+def engine_restarts(base_url: str, timeout: float = 10.0) -> float:
+    """The front's count of engine processes started again after one died (decider.server.supervisor;
+    0 where nothing counts them). A check that ends with the front alive has not shown that the
+    engine lived: the front restarts it within seconds, and only this count tells."""
+    metrics = httpx.get(f"{base_url}/metrics", timeout=timeout).text
+    for line in metrics.splitlines():
+        if line.startswith(f"{RESTARTS_SERIES} "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def ping_status(base_url: str, timeout: float = 2.0) -> int | None:
     """`GET {base_url}/ping`'s status, or None when nothing answers."""
     try:
@@ -156,6 +170,25 @@ class LocalServer:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"the server was not ready within {timeout:g} s:\n" + self.logs()[-4000:])
+
+    def memory_kib(self, field: str = "VmRSS") -> int:
+        """`field` of /proc/<pid>/status (VmRSS: resident now; VmHWM: each process's own peak) summed
+        over the server's processes: the front and the engine child it runs. The front alone is about
+        50 MB; the model, its context and the caches are the child's. 0 once the front has ended."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.process.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for process in processes:
+            with contextlib.suppress(OSError):  # it ended between the listing and the read
+                for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+                    if line.startswith(f"{field}:"):
+                        total += int(line.split()[1])
+        return total
 
     def stop(self, timeout: float = STOP_TIMEOUT_SECONDS) -> int:
         """SIGTERM (graceful drain), then SIGKILL after `timeout`; return the exit status."""

@@ -20,11 +20,9 @@ import json
 import statistics
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from decider_dev.bench.common import NO_CACHES, server_environment
 from decider_dev.local_server import run_local_server
@@ -53,17 +51,6 @@ def bad_body(megabytes: float) -> bytes:
     count = max(65, int(megabytes * 1_000_000 / (len(instructions) + 60)))
     questions = {f"q{i}": {"type": "noul", "instructions": instructions} for i in range(count)}
     return json.dumps({"state": "x", "questions": questions}).encode()
-
-
-def rss_kib(pid: int, field: str) -> int:
-    """VmRSS (now) or VmHWM (peak) of a process and its children (the front and its engine child,
-    decider.server.supervisor), in KiB (Linux)."""
-    total = 0
-    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                total += int(line.split()[1])
-    return total
 
 
 def time_good(url: str, body: dict[str, Any], repeats: int) -> tuple[float, list[int]]:
@@ -101,9 +88,9 @@ def main() -> None:
     bad = bad_body(args.body_mb)
     # caches off: the decision is timed again and again, and a kept answer would cost nothing
     with run_local_server(server_environment(NO_CACHES)) as server:
-        url, pid = server.base_url, server.process.pid
+        url = server.base_url
         time_good(url, good, 1)  # warm-up: the cost model and the page cache
-        start_rss = rss_kib(pid, "VmRSS")
+        start_rss = server.memory_kib("VmRSS")
         alone, alone_statuses = time_good(url, good, args.repeats)
         stop = threading.Event()
         refusals: collections.Counter[Any] = collections.Counter()
@@ -119,7 +106,7 @@ def main() -> None:
             stop.set()
             for client in clients:
                 client.join()
-        peak_rss = rss_kib(pid, "VmHWM")
+        peak_rss = server.memory_kib("VmHWM")
     size = len(bad) / 1e6
     print(
         f"decision of ~{args.state_tokens} state tokens, {args.clients} clients posting {size:.1f} MB bodies"

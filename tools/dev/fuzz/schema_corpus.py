@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 import jsonschema
 
-from decider_dev.local_server import run_local_server
+from decider_dev.local_server import engine_restarts, run_local_server
 
 MAX_SCHEMA_BYTES = 65536  # DECIDER_MAX_SCHEMA_BYTES' default: larger ones are refused by design
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
@@ -236,14 +236,6 @@ def decide(client: httpx.Client, base_url: str) -> float:
     return time.perf_counter() - started
 
 
-def restarts(client: httpx.Client, base_url: str) -> float:
-    """The front's count of engine restarts (0 without a front)."""
-    for line in client.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("decider_engine_restarts_total "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def run(
     base_url: str,
     schemas: list[tuple[str, dict[str, Any]]],
@@ -258,7 +250,7 @@ def run(
     with httpx.Client() as client, httpx.Client() as beside:
         decide(client, base_url)  # warm
         report.alone = statistics.median(decide(client, base_url) for _ in range(3))
-        before = restarts(client, base_url)
+        before = engine_restarts(base_url)
         for _ in range(3):  # the same chat without a response_format: what any chat beside costs
             report.beside_plain.append(_beside(client, beside, base_url, None, max_tokens, strict)[1])
         for name, schema in schemas:
@@ -275,7 +267,7 @@ def run(
             report.ratios.append(ratio)
             report.outcomes.append(outcome)
             yield outcome
-        report.restarts = restarts(client, base_url) - before
+        report.restarts = engine_restarts(base_url) - before
     yield report
 
 

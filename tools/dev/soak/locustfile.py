@@ -2,6 +2,10 @@
 
 Decisions, batches, chats with `response_format`, streams cancelled after their first tokens, and
 invalid bodies (bad JSON, too many questions, a schema beyond the response_format size limit), all at once.
+The decisions are JevBench-240 cases (Apache-2.0, Copyright 2026 Chen Feng): half of them one of a few
+hot cases asked again (agents, coherence runs: the caches answer), half the next case of all 240 (a
+state the server has not seen, until the run wraps: a prefill, and a kept state that evicts another),
+so both the engine and the caches' eviction run for the whole soak, not a cached answer alone.
 Each request is counted by (route, status, code), streamed ones too: a refusal before the first
 token and an error event inside a stream by their typed code (tools/dev/soak/accounting.py); each
 stream's largest gap between two chunks is kept. At exit the counts and the gap go to $SOAK_RESULTS
@@ -12,13 +16,17 @@ Runs in locust's own process (it patches the standard library with gevent): neve
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
+import random
 from pathlib import Path
 from typing import Any
 
 from locust import HttpUser, between, events, task
 
+from decider_cli.evaluate.jevbench import JEVBENCH_240_CASES
+from decider_dev.bench.common import load_cases, request_body
 from decider_dev.soak.accounting import count_key, failure, read_stream
 
 COUNTS: collections.Counter[str] = collections.Counter()
@@ -32,6 +40,10 @@ QUESTIONS = {
     },
 }
 STATE = "I was charged twice for order 1182 and I want my money back today."
+CASES = load_cases(JEVBENCH_240_CASES)
+HOT_CASES = CASES[:8]  # asked again and again
+NEXT_CASE = itertools.cycle(CASES)  # every case in turn: states not seen before, until it wraps
+PICK = random.Random(23)
 SCHEMA = {
     "type": "object",
     "properties": {"colour": {"type": "string", "enum": ["red", "green"]}, "sure": {"type": "boolean"}},
@@ -70,15 +82,13 @@ class Caller(HttpUser):
 
     @task(4)
     def decision(self) -> None:
-        self._post("/v1/systemone", "decision", json={"state": STATE, "questions": QUESTIONS})
+        case = PICK.choice(HOT_CASES) if PICK.random() < 0.5 else next(NEXT_CASE)
+        self._post("/v1/systemone", "decision", json=request_body(case))
 
     @task(2)
     def batch(self) -> None:
-        self._post(
-            "/v1/systemone/batch",
-            "batch",
-            json={"states": [STATE, "Where is my parcel?"], "questions": QUESTIONS},
-        )
+        states = [STATE, next(NEXT_CASE)["state"]]
+        self._post("/v1/systemone/batch", "batch", json={"states": states, "questions": QUESTIONS})
 
     @task(2)
     def chat_with_schema(self) -> None:

@@ -5,14 +5,18 @@
 Starts `serve` on the bundled model, runs tools/dev/soak/locustfile.py headless against it for
 `--minutes`, samples the server's resident memory every 5 s, and prints: requests by route, status
 and error code; p50/p95 per route (locust's CSV); the largest gap between a stream's chunks; the
-memory after the first minute and at the end. Targets: no crash, no 5xx except typed 503/504 whose
-`retryable` is true, memory flat after the first minute. `make soak` runs it for 10 minutes; never
-part of `make test`.
+memory after the first minute and at the end; then a verdict on the targets, and exits 1 if one is
+missed. Targets: the server lives, its engine child too (the front restarts a dead one within
+seconds, so only `decider_engine_restarts_total` tells), no traceback in its log, no 5xx except
+typed 503/504 whose `retryable` is true, every non-200 with a typed code, and memory flat after the
+first minute (its peak at most MEMORY_GROWTH_MIB above the first minute's). `make soak` runs it for
+10 minutes; never part of `make test`.
 
-Memory is sampled as RSS less what the host-memory tier of kept states holds (the
-`decider_cache_host_bytes` gauge): that tier grows by design, up to DECIDER_STATE_CACHE_HOST_MIB
-(2 GiB by default), as evicted states and chat turns are saved, so the raw RSS of a soak whose
-users send new states keeps rising for as long as the budget is not full. Both are printed.
+Memory is the RSS of the server's processes (the front and its engine child, which holds the model
+and the caches) less what the host-memory tier of kept states holds (the `decider_cache_host_bytes`
+gauge): that tier grows by design, up to DECIDER_STATE_CACHE_HOST_MIB (2 GiB by default), as evicted
+states and chat turns are saved, so the raw RSS of a soak whose users send new states keeps rising
+for as long as the budget is not full. Both are printed.
 """
 
 from __future__ import annotations
@@ -26,25 +30,20 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from decider_dev.bench.common import unlabelled_metrics
-from decider_dev.local_server import run_local_server
+from decider_dev.local_server import engine_restarts, run_local_server
 from decider_dev.soak.accounting import missing_codes
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 HOST_BYTES = "decider_cache_host_bytes"
+MEMORY_GROWTH_MIB = 64  # the most the peak after the first minute may stand above the first minute's
 
 
 def host_tier_mib(base_url: str) -> float:
@@ -56,6 +55,61 @@ def host_tier_mib(base_url: str) -> float:
     return unlabelled_metrics(text, [HOST_BYTES])[HOST_BYTES] / 2**20
 
 
+@dataclass
+class Outcome:
+    """What a soak saw, as `verdict` judges it."""
+
+    alive: bool
+    engine_restarts: float
+    traceback: bool
+    counts: dict[str, int]
+    failures: int  # answers locust marked failed: an untyped 5xx, a 503/504 that is not retryable, …
+    samples: list[tuple[float, float, float]] = field(default_factory=list)  # (s, RSS, host tier) MiB
+
+    def memory(self) -> tuple[float, float, float, float] | None:
+        """RSS less the host tier: at the start, after the first minute, its peak after it, at the end."""
+        less_host = [(t, rss - host) for t, rss, host in self.samples]
+        if not less_host:
+            return None
+        after_first = [rss for t, rss in less_host if t >= 60] or [rss for _, rss in less_host]
+        return less_host[0][1], after_first[0], max(after_first), less_host[-1][1]
+
+
+def verdict(outcome: Outcome) -> list[str]:
+    """The targets the soak missed (none: it passed)."""
+    missed = []
+    if not outcome.alive:
+        missed.append("the server process died")
+    if outcome.engine_restarts:
+        missed.append(f"the engine died and was started again {outcome.engine_restarts:g} time(s)")
+    if outcome.traceback:
+        missed.append("a traceback in the server log")
+    if outcome.failures:
+        missed.append(f"{outcome.failures} answer(s) broke the target (locust's failures: see above)")
+    missing = missing_codes(outcome.counts)
+    if missing:
+        missed.append(f"non-200 answers counted without a code: {', '.join(missing)}")
+    memory = outcome.memory()
+    if memory is None:
+        missed.append("no memory sample")
+    else:
+        _start, minute, peak, _end = memory
+        if peak - minute > MEMORY_GROWTH_MIB:
+            missed.append(
+                f"memory grew {peak - minute:.0f} MB after the first minute (at most {MEMORY_GROWTH_MIB})"
+            )
+    return missed
+
+
+def failure_count(stats_csv: Path) -> int:
+    """The failures of locust's aggregated row (0 when it wrote none)."""
+    if not stats_csv.exists():
+        return 0
+    with stats_csv.open() as stats:
+        rows = [row for row in csv.DictReader(stats) if row["Name"] == "Aggregated"]
+    return int(rows[0]["Failure Count"]) if rows else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -65,12 +119,13 @@ def main() -> int:
     results = workdir / "results.json"
     samples: list[tuple[float, float, float]] = []  # (seconds, RSS, of which the host tier), MiB
     with run_local_server() as server:
-        pid, stop = server.process.pid, threading.Event()
+        stop = threading.Event()
         started = time.monotonic()
 
         def sample() -> None:
             while not stop.is_set():
-                samples.append((time.monotonic() - started, rss_mib(pid), host_tier_mib(server.base_url)))
+                rss = server.memory_kib() / 1024
+                samples.append((time.monotonic() - started, rss, host_tier_mib(server.base_url)))
                 stop.wait(5)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -82,31 +137,33 @@ def main() -> int:
         stop.set()
         sampler.join()
         alive = server.process.poll() is None
+        restarts = engine_restarts(server.base_url) if alive else 0.0
         traceback = "Traceback" in server.logs()
     report = json.loads(results.read_text()) if results.exists() else {"counts": {}}
+    outcome = Outcome(
+        alive, restarts, traceback, report["counts"], failure_count(workdir / "soak_stats.csv"), samples
+    )
     print(f"\nsoak: {args.minutes:g} min, {args.users} users; server alive at the end: {alive}")
-    print(f"a traceback in the server log: {traceback}")
+    print(f"engine restarts: {restarts:g}; a traceback in the server log: {traceback}")
     print("\nrequests by route, status and code:")
-    for key, count in sorted(report["counts"].items()):
+    for key, count in sorted(outcome.counts.items()):
         print(f"  {count:7d}  {key}")
     print("\nlatency per route (ms):")
     with (workdir / "soak_stats.csv").open() as stats:
         for row in csv.DictReader(stats):
             name, count, p50, p95 = row["Name"], row["Request Count"], row["50%"], row["95%"]
             print(f"  {name:28s} n={count:>6s}  p50={p50:>6s}  p95={p95:>6s}")
-    missing = missing_codes(report["counts"])
-    if missing:
-        print(f"non-200 answers counted without a code (a finding): {', '.join(missing)}")
     print(f"\nlargest gap between a stream's chunks: {report.get('largest_gap_seconds', 0):.2f} s")
-    less_host = [(t, rss - host) for t, rss, host in samples]
-    after_first = [rss for t, rss in less_host if t >= 60] or [rss for _, rss in less_host]
-    if after_first:
-        start, minute, end = less_host[0][1], after_first[0], less_host[-1][1]
-        print(f"server RSS less the host tier: {start:.0f} MB at the start, {minute:.0f} MB after the")
-        print(f"  first minute, {max(after_first):.0f} MB peak after it, {end:.0f} MB at the end")
+    memory = outcome.memory()
+    if memory is not None:
+        start, minute, peak, end = memory
+        print(f"server RSS (front + engine) less the host tier: {start:.0f} MB at the start, {minute:.0f} MB")
+        print(f"  after the first minute, {peak:.0f} MB peak after it, {end:.0f} MB at the end")
         _t, rss, host = samples[-1]
         print(f"  (at the end: RSS {rss:.0f} MB, of which the host tier of kept states {host:.0f} MB)")
-    return 0 if alive else 1
+    missed = verdict(outcome)
+    print("\nsoak: " + ("passed" if not missed else "FAILED: " + "; ".join(missed)))
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
