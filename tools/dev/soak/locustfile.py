@@ -6,6 +6,8 @@ The decisions are JevBench-240 cases (Apache-2.0, Copyright 2026 Chen Feng): hal
 hot cases asked again (agents, coherence runs: the caches answer), half the next case of all 240 (a
 state the server has not seen, until the run wraps: a prefill, and a kept state that evicts another),
 so both the engine and the caches' eviction run for the whole soak, not a cached answer alone.
+Everything goes to `POST /invocations`, as SageMaker sends it: decisions and invalid bodies routed by
+their body, batches and chats by the `X-Amzn-SageMaker-Custom-Attributes` route a client sets.
 Each request is counted by (route, status, code), streamed ones too: a refusal before the first
 token and an error event inside a stream by their typed code (tools/dev/soak/accounting.py); each
 stream's largest gap between two chunks is kept. At exit the counts and the gap go to $SOAK_RESULTS
@@ -44,6 +46,10 @@ CASES = load_cases(JEVBENCH_240_CASES)
 HOT_CASES = CASES[:8]  # asked again and again
 NEXT_CASE = itertools.cycle(CASES)  # every case in turn: states not seen before, until it wraps
 PICK = random.Random(23)
+INVOCATIONS = "/invocations"
+ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
+BATCH = {ATTRIBUTES: "route=/v1/systemone/batch"}
+CHAT = {ATTRIBUTES: "route=/v1/chat/completions"}
 SCHEMA = {
     "type": "object",
     "properties": {"colour": {"type": "string", "enum": ["red", "green"]}, "sure": {"type": "boolean"}},
@@ -83,12 +89,13 @@ class Caller(HttpUser):
     @task(4)
     def decision(self) -> None:
         case = PICK.choice(HOT_CASES) if PICK.random() < 0.5 else next(NEXT_CASE)
-        self._post("/v1/systemone", "decision", json=request_body(case))
+        self._post(INVOCATIONS, "decision", json=request_body(case))
 
     @task(2)
     def batch(self) -> None:
         states = [STATE, next(NEXT_CASE)["state"]]
-        self._post("/v1/systemone/batch", "batch", json={"states": states, "questions": QUESTIONS})
+        body = {"states": states, "questions": QUESTIONS}
+        self._post(INVOCATIONS, "batch", json=body, headers=BATCH)
 
     @task(2)
     def chat_with_schema(self) -> None:
@@ -97,7 +104,7 @@ class Caller(HttpUser):
             "max_tokens": 16,
             "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
         }
-        self._post("/v1/chat/completions", "chat+schema", json=body)
+        self._post(INVOCATIONS, "chat+schema", json=body, headers=CHAT)
 
     @task(2)
     def cancelled_stream(self) -> None:
@@ -107,9 +114,10 @@ class Caller(HttpUser):
             "stream": True,
         }
         with self.client.post(
-            "/v1/chat/completions",
+            INVOCATIONS,
             name="stream (cancelled)",
             json=body,
+            headers=CHAT,
             stream=True,
             catch_response=True,
             timeout=70,
@@ -125,10 +133,10 @@ class Caller(HttpUser):
     @task(2)
     def invalid_bodies(self) -> None:
         self._post(
-            "/v1/systemone", "invalid: json", data=b'{"state": ', headers={"Content-Type": "application/json"}
+            INVOCATIONS, "invalid: json", data=b'{"state": ', headers={"Content-Type": "application/json"}
         )
         many = {f"q{i}": {"type": "noul", "instructions": "?"} for i in range(100)}
-        self._post("/v1/systemone", "invalid: too many questions", json={"state": STATE, "questions": many})
+        self._post(INVOCATIONS, "invalid: too many questions", json={"state": STATE, "questions": many})
         schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": TOO_COMPLEX}}
         body = {"messages": [{"role": "user", "content": "x"}], "response_format": schema}
-        self._post("/v1/chat/completions", "invalid: schema", json=body)
+        self._post(INVOCATIONS, "invalid: schema", json=body)
