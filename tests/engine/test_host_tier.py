@@ -10,6 +10,8 @@ pinned, and only the prompt head and the kept states hold memory.
 
 from __future__ import annotations
 
+import mmap
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -149,6 +151,28 @@ def test_host_memory_is_a_byte_budget_least_recently_used() -> None:
     assert [saved.tokens for saved in host.saved()] == [tuple(states[1]), (9,) * 20]  # states[2] went
 
 
+def test_an_entry_with_no_host_memory_for_it_is_evicted_unsaved(caplog: pytest.LogCaptureFixture) -> None:
+    """No memory (or no mapping) for a save is a MemoryError from the runtime: the eviction it served
+    still frees the entry's cells and nothing is saved (the error used to reach the engine loop, which
+    failed the request whose start or answer needed the cells with a 500); the next save works."""
+    cache, _pool, memory, metrics = tiered(partial=False)
+    cache.store([1] * 20, seq=5)
+    real = memory.seq_save
+
+    def no_memory(seq_id: int) -> bytes:
+        raise MemoryError("no host memory for it")
+
+    memory.seq_save = no_memory  # type: ignore[method-assign]
+    cache.store([2] * 20, seq=5)  # evicts [1] * 20, whose save fails
+    host = cache.host
+    assert host is not None and len(host) == 0 and saves(metrics) == 0
+    assert [entry.tokens for entry in cache._entries.values()] == [(2,) * 20]
+    assert "a kept state of 20 tokens was evicted unsaved: no host memory for it" in caplog.text
+    memory.seq_save = real  # type: ignore[method-assign]
+    cache.store([3] * 20, seq=5)
+    assert [saved.tokens for saved in host.saved()] == [(2,) * 20] and saves(metrics) == 1
+
+
 def test_a_failed_restore_is_a_miss_that_leaves_nothing_held() -> None:
     cache, pool, memory, metrics = tiered(partial=False)
     a = [1] * 20
@@ -273,12 +297,22 @@ def test_an_evicted_state_comes_back_from_host_memory(one_kept: DecisionEngine) 
     key = (STATE, "", tuple(plan.states[0].prompt.tokens))
     decide(engine, unique(EXAMPLE))  # the one kept sequence goes to this state: `body`'s is saved
     assert key not in states._entries and key in states.host
+    # Saved into a mapping of its own (not the C heap, which keeps what it frees in blocks of a few
+    # MiB), released with the entry.
+    saved = states.host.get(key)
+    assert saved is not None and isinstance(saved.data, mmap.mmap)
+    assert 0 < len(saved.data) <= states.host.bytes
+    mapping = weakref.ref(saved.data)
+    del saved
 
     again = {**body, "questions": OTHER_QUESTIONS}
     miss_tokens = engine.plan_decision(parse_decision_request({**again, "extensions": True})).cost_tokens
     restored, tokens = decoded_tokens(engine, lambda: decide(engine, again))
     boundary = state_tokens(engine, body)
     assert restored.usage.cached_tokens == boundary and tokens == miss_tokens - boundary
+    assert mapping() is not None  # still saved (kept in both tiers: not saved again when evicted)
+    states.host.discard(key)
+    assert mapping() is None  # dropped: nothing else held it, and its pages went back at once
     entry = states._entries[key]
     own_head = 0 if engine.runtime.partial_reuse else len(engine.head_tokens)  # the hybrid keeps its own
     assert entry.head_cells == own_head and states.cells == boundary + own_head

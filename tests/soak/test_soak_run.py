@@ -67,6 +67,7 @@ def _outcome(**changes: object) -> Outcome:
 def test_a_soak_that_meets_every_target_passes() -> None:
     outcome = _outcome()
     assert outcome.memory() == (500.0, 540.0, 550.0, 550.0)  # the host tier taken off every sample
+    assert outcome.per_minute() == [(500.0, 0.0), (540.0, 20.0), (540.0, 360.0), (550.0, 30.0)]
     assert verdict(outcome) == []
 
 

@@ -74,6 +74,14 @@ class Outcome:
         after_first = [rss for t, rss in less_host if t >= 60] or [rss for _, rss in less_host]
         return less_host[0][1], after_first[0], max(after_first), less_host[-1][1]
 
+    def per_minute(self) -> list[tuple[float, float]]:
+        """(RSS less the host tier, the host tier) at the last sample of each minute: whether memory
+        levels off or keeps climbing, and whether the host tier reached its budget (evictions ran)."""
+        last: dict[int, tuple[float, float]] = {}
+        for t, rss, host in self.samples:
+            last[int(t // 60)] = (rss - host, host)
+        return [last[minute] for minute in sorted(last)]
+
 
 def verdict(outcome: Outcome) -> list[str]:
     """The targets the soak missed (none: it passed)."""
@@ -161,6 +169,8 @@ def main() -> int:
         print(f"  after the first minute, {peak:.0f} MB peak after it, {end:.0f} MB at the end")
         _t, rss, host = samples[-1]
         print(f"  (at the end: RSS {rss:.0f} MB, of which the host tier of kept states {host:.0f} MB)")
+        minutes = ", ".join(f"{less:.0f}+{host:.0f}" for less, host in outcome.per_minute())
+        print(f"  each minute, RSS less the host tier + the host tier (MB): {minutes}")
     missed = verdict(outcome)
     print("\nsoak: " + ("passed" if not missed else "FAILED: " + "; ".join(missed)))
     return 1 if missed else 0

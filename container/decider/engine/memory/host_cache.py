@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from decider.engine.memory.sequences import StateBytes
+
 # (kind, space, tokens), as decider.engine.memory.prefix_cache keys its entries
 Key = tuple[str, str, tuple[int, ...]]
 
@@ -26,7 +28,7 @@ class SavedState:
 
     kind: str
     tokens: tuple[int, ...]
-    data: bytes | bytearray  # as llama.cpp wrote it (native.LlamaRuntime.seq_save): never copied
+    data: StateBytes  # as llama.cpp wrote it (native.LlamaRuntime.seq_save): never copied
     start: int  # the position of tokens[0] (a state's follow the prompt head)
     prompt_tokens: int
     space: str = ""  # the cache space of the requests that kept it (decider.engine.memory.prefix_cache)

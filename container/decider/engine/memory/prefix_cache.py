@@ -62,6 +62,7 @@ decodes nothing for it; temperature and permutation averaging are applied afterw
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -73,6 +74,7 @@ import numpy as np
 from decider.engine.memory.host_cache import HostCache, SavedState
 from decider.engine.memory.sequences import SeqPool
 
+log = logging.getLogger(__name__)
 MIN_PARTIAL_HIT = 16  # a shorter common prefix saves less than the copy and the bookkeeping cost
 STATE = "state"  # a decision state: its tokens follow the prompt head
 CHAT = "chat"  # a chat turn: its tokens start at position 0
@@ -364,10 +366,16 @@ class StateCache:
     def _save(self, entry: CachedState) -> None:
         """Save an entry evicted for running work or the budget in host memory (all its sequence's
         cells: K/V, and the recurrent state on hybrid models), unless a copy is there already (then
-        that copy is used again: the most recently used now). One larger than the budget is not."""
+        that copy is used again: the most recently used now). One larger than the budget is not, nor
+        one the process has no memory for now (MemoryError): a save only spares a prefill later, so
+        the entry is evicted unsaved, and asked again it is a miss."""
         if self.host is None or self.host.get(entry.key) is not None:
             return
-        data = self._pool.save(entry.seq)
+        try:
+            data = self._pool.save(entry.seq)
+        except MemoryError as exc:
+            log.warning("a kept %s of %d tokens was evicted unsaved: %s", entry.kind, len(entry.tokens), exc)
+            return
         self.host.put(
             SavedState(entry.kind, entry.tokens, data, entry.start, entry.prompt_tokens, space=entry.space)
         )

@@ -19,10 +19,15 @@ not kept.)
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable
 from typing import Protocol
 
 from decider.invariance import HEAD_SEQ
+
+# A sequence's saved cells: a mapping of their own from llama.cpp (native.LlamaRuntime.seq_save),
+# or bytes from a test double.
+StateBytes = bytes | bytearray | mmap.mmap
 
 
 class Memory(Protocol):
@@ -36,9 +41,9 @@ class Memory(Protocol):
 
     def seq_remove_before(self, seq_id: int, position: int) -> None: ...
 
-    def seq_save(self, seq_id: int) -> bytes | bytearray: ...
+    def seq_save(self, seq_id: int) -> StateBytes: ...
 
-    def seq_restore(self, seq_id: int, data: bytes | bytearray) -> bool: ...
+    def seq_restore(self, seq_id: int, data: StateBytes) -> bool: ...
 
 
 class Reclaimer(Protocol):
@@ -130,11 +135,11 @@ class SeqPool:
         self._free = list(self._all)
 
     # --- host memory (decider.engine.memory.host_cache) ------------------------------------------
-    def save(self, seq: int) -> bytes | bytearray:
+    def save(self, seq: int) -> StateBytes:
         """Every cell of `seq` as bytes (K/V, and the recurrent state on hybrid models)."""
         return self._memory.seq_save(seq)
 
-    def restore(self, seq: int, data: bytes | bytearray, *, head: int = 0) -> bool:
+    def restore(self, seq: int, data: StateBytes, *, head: int = 0) -> bool:
         """Put saved cells back into `seq`; False (and `seq` released) when llama.cpp cannot place
         them. With `head`, the restored positions below it are dropped and the head sequence's
         cells shared in their place (what a kept state held before it was saved)."""
