@@ -351,10 +351,9 @@ class LlamaRuntime:
         The buffer is a private anonymous mapping of its own, not a bytearray: the C heap keeps what
         it frees in blocks of a few MiB (glibc maps only blocks above its threshold, which rises to
         32 MiB once one is freed), so a host tier evicting and saving such entries at its budget held
-        ~55 MB more than it counted after 10 minutes of `make soak` (a 256 MiB budget, SmolLM2). A
-        mapping goes back to the system when its entry is dropped. Its pages are faulted in by the
-        kernel at once (MAP_POPULATE): 2.4 ms for a 300-token SmolLM2 state against 3.9 ms page by
-        page, and 20 ms against the bytearray's 30 ms for a 46 MB one (docs/engine.md)."""
+        tens of MB more than it counted, growing as `make soak` ran. A mapping goes back to the system
+        when its entry is dropped. Its pages are faulted in by the kernel at once (MAP_POPULATE),
+        faster than page by page as llama.cpp writes (the numbers: docs/engine.md, host tier)."""
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq_id)
         if not size:
             raise NativeError(f"could not save sequence {seq_id}: it holds nothing")
