@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from decider_dev.local_server import LocalServer
@@ -46,9 +46,10 @@ def test_the_server_memory_counts_the_engine_child(tmp_path: Path) -> None:
         assert server.memory_kib() >= front + 96 * MIB
         assert server.memory_kib("VmHWM") >= server.memory_kib() - 4 * MIB  # each process's peak
     finally:
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.kill()
         process.kill()
         process.wait()
-    time.sleep(0.1)
     assert server.memory_kib() == 0  # the front has ended
 
 
