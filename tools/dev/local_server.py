@@ -34,6 +34,8 @@ from pathlib import Path
 
 import httpx
 
+from decider_dev.bench.common import unlabelled_metrics
+
 DEFAULT_HOST = "127.0.0.1"
 STOP_TIMEOUT_SECONDS = 60.0
 BASE_URL_ENV = "DECIDER_TEST_BASE_URL"
@@ -100,10 +102,7 @@ def engine_restarts(base_url: str, timeout: float = 10.0) -> float:
     0 where nothing counts them). A check that ends with the front alive has not shown that the
     engine lived: the front restarts it within seconds, and only this count tells."""
     metrics = httpx.get(f"{base_url}/metrics", timeout=timeout).text
-    for line in metrics.splitlines():
-        if line.startswith(f"{RESTARTS_SERIES} "):
-            return float(line.split()[1])
-    return 0.0
+    return unlabelled_metrics(metrics, [RESTARTS_SERIES])[RESTARTS_SERIES]
 
 
 def ping_status(base_url: str, timeout: float = 2.0) -> int | None:
